@@ -91,6 +91,32 @@ class EntryFormat:
         return {r.name: pages[:, off[r.name]: off[r.name] + entries * r.bytes_per_entry].view(
             pages.shape[0], entries, r.bytes_per_entry) for r in self.regions}
 
+    def typed(self, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Typed views over region views (no copy), for kernels and inspection.
+
+        fp8_ds: `nope` [..., D-r] float8_e4m3fn, `rope` [..., r] bfloat16, `scale` [..., tiles] uint8
+        (UE8M0 exponent + 127). bf16/fp32: `kv` or `data` [..., D]. mxfp4: `data` packed E2M1
+        uint8 [..., D/2], `scale` UE8M0 uint8 [..., D/32]. fp8: `data` e4m3 [..., D], `scale` fp32 [..., 1].
+        nvfp4: `data` [..., D/2] uint8, `scale` e4m3 [..., D/16], `global` fp32 [..., 1].
+        """
+        n, r = self.dim - self.rope_dim, self.rope_dim
+        if self.name == "fp8_ds":
+            kv = views["kv"]
+            return {"nope": kv[..., :n].view(torch.float8_e4m3fn), "rope": kv[..., n:].view(torch.bfloat16),
+                    "scale": views["scale"][..., : n // 64]}
+        dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "bf16_i": torch.bfloat16,
+                  "fp32_i": torch.float32, "fp8": torch.float8_e4m3fn}
+        if self.name in ("bf16", "fp32"):
+            return {"kv": views["kv"].view(dtypes[self.name])}
+        if self.name in ("bf16_i", "fp32_i"):
+            return {"data": views["data"].view(dtypes[self.name])}
+        if self.name == "fp8":
+            return {"data": views["data"].view(torch.float8_e4m3fn), "scale": views["scale"].view(torch.float32)}
+        if self.name == "nvfp4":
+            return {"data": views["data"], "scale": views["scale"].view(torch.float8_e4m3fn),
+                    "global": views["global"].view(torch.float32)}
+        return dict(views)  # mxfp4: packed nibbles and UE8M0 bytes are already their own types
+
     # -------------------------------------------------------------- codec
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """[N, dim] float -> {region: [N, bytes] uint8}."""
