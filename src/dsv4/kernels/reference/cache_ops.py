@@ -16,6 +16,8 @@ Views = dict[str, torch.Tensor]
 
 def write_rows(views: Views, fmt: EntryFormat, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
     """Encode rows [E, D] and store row e at (pages[e], slots[e]). pages/slots: [E] int."""
+    if rows.shape[0] == 0:  # a step that finishes no entry (a shape, not a device value)
+        return
     parts = fmt.encode(rows)
     pages, slots = pages.long(), slots.long()
     for name, v in views.items():
@@ -25,6 +27,8 @@ def write_rows(views: Views, fmt: EntryFormat, rows: torch.Tensor, pages: torch.
 def read_rows(views: Views, fmt: EntryFormat, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Decode the rows at (pages, slots) (any equal shapes S) -> float32 [*S, D]."""
     pages, slots = pages.long(), slots.long()
+    if pages.numel() == 0:
+        return torch.zeros(*pages.shape, fmt.dim, device=pages.device)
     parts = {name: v[pages, slots].reshape(-1, v.shape[-1]) for name, v in views.items()}
     return fmt.decode(parts).view(*pages.shape, fmt.dim)
 

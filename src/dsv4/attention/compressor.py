@@ -1,0 +1,49 @@
+"""The KV compressor of CSA and HCA layers (DESIGN §3, §5), on the online state cache.
+
+Per token j: c_j = x_j W_c, z_j = x_j W_z + APE[j mod m], in fp32. Each entry is a per-channel
+softmax of z over its slots applied to c, then weighted RMSNorm and RoPE at the window's first
+token w*m. CSA (overlap) entries span two windows; HCA entries one. The state between steps is
+the (M, S, A) online softmax kept in the state cache, so chunks and decode steps continue
+exactly where the last call stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.attention.layers import RMSNorm
+from dsv4.cache.batch import ForwardBatch
+from dsv4.kernels.reference.compress import compress_update
+from dsv4.model.rope import RopeTable, apply_rope
+
+
+class Compressor(nn.Module):
+    """Parameters named as transformers' compressors: kv_proj, gate_proj, position_bias, kv_norm."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float = 1e-6):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def compress(self, x: torch.Tensor, batch: ForwardBatch, state: torch.Tensor, rope: RopeTable
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fold the batch's tokens into the state; return the entries that finished.
+
+        Args:
+            x: [T, hidden] the layer's normed input for the packed new tokens.
+            state: [R, 3, P, dim] fp32 online-softmax state of this compressor (updated in place).
+        Returns:
+            entries [E, dim] fp32 (normed, RoPE'd at w*m), entry_request [E], entry_index [E] (int64).
+        """
+        c = self.kv_proj(x).float()
+        z = self.gate_proj(x).float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
+        entries, req, idx = compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
+                                            batch.query_lens_host, self.ratio, self.overlap)
+        entries = self.kv_norm(entries)
+        cos, sin = rope.cos_sin(idx * self.ratio)
+        return apply_rope(entries, cos, sin), req, idx

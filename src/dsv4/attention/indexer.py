@@ -1,0 +1,53 @@
+"""The lightning indexer of CSA layers: its own compressor, a scorer and top-k (DESIGN §3).
+
+Keys K_w come from a CSA-style compressor at indexer_head_dim; queries
+qI = RoPE_t((q_res W_qI).view(H_I, D_I)); weights g = (x W_w) * H_I^-1/2 (from x, not q_res).
+Quantised indexer formats store keys Hadamard-rotated; queries are rotated the same way, which
+leaves every score unchanged in exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.attention.compressor import Compressor
+from dsv4.cache.handle import LayerCacheHandle
+from dsv4.kernels.reference.indexer import indexer_topk
+from dsv4.model.config import DSV4Config
+from dsv4.model.rope import RopeTable, apply_rope
+
+
+class _Scorer(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Parameters named as transformers' DeepseekV4Indexer (compressor weights + q_b_proj + scorer)."""
+
+    def __init__(self, cfg: DSV4Config):
+        super().__init__(cfg.hidden_size, cfg.indexer_head_dim, cfg.csa_compression_ratio, overlap=True,
+                         eps=cfg.rms_norm_eps)
+        self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.indexer_head_dim, bias=False)
+        self.scorer = _Scorer(cfg.hidden_size, cfg.index_n_heads)
+
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, cache: LayerCacheHandle, rope: RopeTable,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Top-k entries per query token, after this step's keys were flushed.
+
+        Args:
+            x: [T, hidden]; q_res: [T, q_lora_rank]; cos/sin: [T, r/2] of the tokens' positions.
+        Returns:
+            [T, index_topk] int64 entry indices, -1 = nothing selected.
+        """
+        b = cache.batch
+        q = self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim)
+        q = apply_rope(q, cos[:, None], sin[:, None]).float()
+        q = cache.schema.indexer_format.to_stored_basis(q)
+        g = self.scorer.weights_proj(x).float() * self.heads ** -0.5
+        keys, _ = cache.gather_all_indexer_keys()
+        n_entries = tuple(s // self.ratio for s in b.seq_lens_host)
+        return indexer_topk(q, g, keys, b.positions, b.query_lens_host, n_entries, self.ratio, self.topk)

@@ -1,0 +1,144 @@
+"""AttentionSubBlock: one DSV4 layer's attention, reading and writing the paged cache.
+
+    x [T, d] (packed new tokens of the batch's requests, in batch order)
+      q_res = RMSNorm_w(x W_qa);  q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D)))
+      kv    = RoPE_t(RMSNorm_w(x W_kv))          -> window ring
+      CSA/HCA: compressor -> finished entries -> flush (CSA: with indexer keys)
+      CSA: indexer top-k;  attention over window + selected (CSA) / all visible (HCA) entries
+      o = RoPE_{-t}(attention) -> grouped output projection -> [T, d]
+
+Parameter names are transformers' `DeepseekV4Attention.state_dict()` names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.attention.compressor import Compressor
+from dsv4.attention.indexer import Indexer
+from dsv4.attention.layers import RMSNorm, grouped_output, rms_unweighted
+from dsv4.cache.batch import ForwardBatch
+from dsv4.cache.handle import LayerCacheHandle
+from dsv4.errors import DeviceError, InputError
+from dsv4.kernels.reference.attention import attention_with_sink
+from dsv4.model.config import DSV4Config
+from dsv4.model.layer_schedule import AttentionType
+from dsv4.model.rope import RopeTable, apply_rope
+from dsv4.model.weights import deepseek_to_hf_names
+
+
+class AttentionSubBlock(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        self.spec = cfg.layer_schedule()[layer_idx]
+        h, d, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, d * dh, bias=False)
+        self.kv_proj = nn.Linear(h, dh, bias=False)
+        self.kv_norm = RMSNorm(dh, cfg.rms_norm_eps)
+        self.o_a_proj = nn.Linear(d * dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(d))
+        self.compressor: Compressor | None = None
+        if self.spec.attn is not AttentionType.SWA:
+            csa = self.spec.attn is AttentionType.CSA
+            self.compressor = Compressor(h, dh, self.spec.compress_ratio, overlap=csa, eps=cfg.rms_norm_eps)
+            if csa:
+                self.compressor.indexer = Indexer(cfg)
+        self.rope = RopeTable.for_layer(cfg, compressed=self.compressor is not None)
+
+    # ------------------------------------------------------------------ weights
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights named as transformers' DeepseekV4Attention.state_dict() (strict)."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise InputError(f"layer {self.layer_idx} ({self.spec.attn.value}) weights do not match: "
+                             f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+        for k, v in state_dict.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise InputError(f"weight {k}: expected shape {list(own[k].shape)}, got {list(v.shape)}")
+        self.load_state_dict(state_dict, strict=True)
+
+    def load_deepseek_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights named as DeepSeek's own checkpoint (wq_a, wkv, attn_sink, ...)."""
+        self.load_hf_state_dict(deepseek_to_hf_names(state_dict))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> torch.Tensor:
+        """x [T, d] packed in batch order -> [T, d]."""
+        self._check(x, batch, cache)
+        cfg = self.cfg
+        t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        cos, sin = self.rope.cos_sin(batch.positions)
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = rms_unweighted(self.q_b_proj(q_res).view(t, nh, dh), cfg.rms_norm_eps)
+        q = apply_rope_heads(q, cos, sin).float()
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        # The window before this step's writes: a chunk longer than W would overwrite rows its
+        # own early queries still need. The new tokens are read back as the ring stores them.
+        win_kv, win_pos, win_valid = cache.gather_swa_kv()
+        cache.write_swa(kv)
+        new_kv = cache.schema.kv_format.roundtrip(kv.float())
+
+        comp_kv = comp_valid = selected = None
+        if self.compressor is not None:
+            st = cache.state
+            entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope)
+            ikeys = None
+            if self.spec.attn is AttentionType.CSA:
+                ikeys, _, _ = self.compressor.indexer.compress(x, batch, st.idx_state, self.rope)
+            cache.flush_compression(entries, ereq, eidx, ikeys)
+            comp_kv, comp_valid = cache.gather_all_compressed_kv()
+            if self.spec.attn is AttentionType.CSA:
+                selected = self.compressor.indexer.select(x, q_res, cache, self.rope, cos, sin)
+
+        o = torch.empty(t, nh, dh, dtype=torch.float32, device=x.device)
+        w, ratio = cfg.sliding_window, self.spec.compress_ratio
+        t0 = 0
+        for b, n in enumerate(batch.query_lens_host):
+            pos = batch.positions[t0:t0 + n].long()
+            keys = [win_kv[b], new_kv[t0:t0 + n]]
+            kpos = torch.cat([win_pos[b].long(), pos])
+            kval = torch.cat([win_valid[b], torch.ones(n, dtype=torch.bool, device=x.device)])
+            mask = kval[None, :] & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)
+            if comp_kv is not None:
+                ne = batch.seq_lens_host[b] // ratio
+                keys.append(comp_kv[b, :ne])
+                if selected is None:   # HCA: every entry whose window closed at or before t
+                    cmask = torch.arange(ne, device=x.device)[None, :] < ((pos[:, None] + 1) // ratio)
+                else:                  # CSA: the indexer's picks
+                    sel = selected[t0:t0 + n]
+                    cmask = torch.zeros(n, ne + 1, dtype=torch.bool, device=x.device)
+                    cmask.scatter_(1, torch.where(sel >= 0, sel, ne), True)
+                    cmask = cmask[:, :ne]
+                mask = torch.cat([mask, cmask], dim=1)
+            o[t0:t0 + n] = attention_with_sink(q[t0:t0 + n], torch.cat(keys), mask, self.sinks, dh ** -0.5)
+            t0 += n
+
+        o = apply_rope_heads(o, cos, sin, inverse=True).to(x.dtype)
+        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
+
+    def _check(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> None:
+        w = self.q_a_proj.weight
+        if x.device != w.device or x.device != cache.state.device:
+            raise DeviceError(f"x is on {x.device}, weights on {w.device}, cache on {cache.state.device}; "
+                              "put them on one device")
+        if x.dtype != w.dtype:
+            raise DeviceError(f"x is {x.dtype} but layer {self.layer_idx}'s weights are {w.dtype}; cast one")
+        if x.dim() != 2 or x.shape != (batch.num_tokens, self.cfg.hidden_size):
+            raise InputError(f"x must be [{batch.num_tokens}, {self.cfg.hidden_size}] (the batch's packed tokens), "
+                             f"got {list(x.shape)}")
+        if cache.schema.layer_idx != self.layer_idx or cache.batch is not batch:
+            raise InputError(f"the cache handle is for layer {cache.schema.layer_idx} / another batch; "
+                             f"use mgr.acquire({self.layer_idx}, batch)")
+
+
+def apply_rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RoPE of [T, H, D] at the tokens' positions (cos/sin [T, r/2])."""
+    return apply_rope(x, cos[:, None], sin[:, None], inverse=inverse)
