@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from dsv4.attention.compressor import Compressor
+from dsv4.attention.decode_path import decode_attend
 from dsv4.attention.indexer import Indexer
 from dsv4.attention.layers import RMSNorm, grouped_output, rms_unweighted
 from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.errors import DeviceError, InputError
+from dsv4.kernels.dispatch import ops_for
 from dsv4.kernels.reference.attention import attention_with_sink
 from dsv4.model.config import DSV4Config
 from dsv4.model.layer_schedule import AttentionType
@@ -29,8 +31,12 @@ from dsv4.model.weights import deepseek_to_hf_names
 
 
 class AttentionSubBlock(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer_idx: int):
+    """One layer's attention. `backend`: "auto" (Triton on CUDA), "reference" or "triton" for the
+    decode fast path; `decode_path=False` sends decode batches through the general path too."""
+
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, backend: str = "auto", decode_path: bool = True):
         super().__init__()
+        self.backend, self.decode_path = backend, decode_path
         self.cfg, self.layer_idx = cfg, layer_idx
         self.spec = cfg.layer_schedule()[layer_idx]
         h, d, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -79,7 +85,19 @@ class AttentionSubBlock(nn.Module):
         q = rms_unweighted(self.q_b_proj(q_res).view(t, nh, dh), cfg.rms_norm_eps)
         q = apply_rope_heads(q, cos, sin).float()
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if self.decode_path and batch.is_decode:
+            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, ops_for(x.device, self.backend))
+        else:
+            o = self._attend_general(x, q, q_res, kv, cos, sin, batch, cache)
+        o = apply_rope_heads(o, cos, sin, inverse=True).to(x.dtype)
+        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
 
+    def _attend_general(self, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle
+                        ) -> torch.Tensor:
+        """Any mix of prefill chunks and decode tokens (reference ops) -> [T, H, D] fp32."""
+        cfg = self.cfg
+        t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         # The window before this step's writes: a chunk longer than W would overwrite rows its
         # own early queries still need. The new tokens are read back as the ring stores them.
         win_kv, win_pos, win_valid = cache.gather_swa_kv()
@@ -120,9 +138,7 @@ class AttentionSubBlock(nn.Module):
                 mask = torch.cat([mask, cmask], dim=1)
             o[t0:t0 + n] = attention_with_sink(q[t0:t0 + n], torch.cat(keys), mask, self.sinks, dh ** -0.5)
             t0 += n
-
-        o = apply_rope_heads(o, cos, sin, inverse=True).to(x.dtype)
-        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
+        return o
 
     def _check(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> None:
         w = self.q_a_proj.weight

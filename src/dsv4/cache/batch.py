@@ -46,6 +46,8 @@ class ForwardBatch:
     seq_lens_host: tuple[int, ...]
     slots_host: tuple[int, ...]
     block_lens_host: tuple[int, ...]
+    # Static bound on seq_lens for fixed-shape (CUDA-graph) decode: a power of two >= max(seq_lens).
+    seq_len_bound: int
 
     @property
     def num_tokens(self) -> int:

@@ -59,8 +59,11 @@ class LayerCacheHandle:
         return self.schema.head_dim
 
     def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-        if t.device != self.state.device:
-            raise DeviceError(f"{name} is on {t.device} but the cache is on {self.state.device}; move it there")
+        # Compare with where the cache's tensors live, not the device it was asked for: a cache made on
+        # "cuda" holds tensors on "cuda:0", and torch.device("cuda") != torch.device("cuda:0").
+        dev = self.state.swa_pos.device
+        if t.device != dev:
+            raise DeviceError(f"{name} is on {t.device} but the cache is on {dev}; move it there")
         if not t.is_floating_point():
             raise DeviceError(f"{name} must be a floating tensor, got {t.dtype}")
         if tuple(t.shape) != shape:
@@ -98,13 +101,15 @@ class LayerCacheHandle:
         """
         pool, sch = self._paged(), self.schema
         self._check("compressed", compressed, (entry_index.shape[0], self.head_dim))
+        if pool.indexer is not None:  # check everything before the first write: a refused call writes nothing
+            if indexer_keys is None:
+                raise InputError(f"layer {sch.layer_idx} is CSA: flush_compression needs indexer_keys")
+            self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
         b = self.batch
         ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
                           sch.entries_per_block)
         if pool.indexer is not None:
-            if indexer_keys is None:
-                raise InputError(f"layer {sch.layer_idx} is CSA: flush_compression needs indexer_keys")
-            self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
+            assert indexer_keys is not None
             ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
                               b.block_table, sch.entries_per_block)
 

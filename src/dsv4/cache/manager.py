@@ -20,7 +20,13 @@ from dsv4.cache.allocator import BlockAllocator, SlotAllocator
 from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.cache.paged_cache import PagedKVPool
-from dsv4.cache.schema import BLOCK_SIZE_ORIGINAL_TOKENS, LayerCacheSchema, build_schemas
+from dsv4.cache.schema import (
+    BLOCK_SIZE_ORIGINAL_TOKENS,
+    LayerCacheSchema,
+    block_fill_ratio,
+    blocks_needed,
+    build_schemas,
+)
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import ConfigError, InputError, OutOfBlocksError, RequestError
 from dsv4.model.config import DSV4Config
@@ -59,7 +65,7 @@ class KVCacheManager:
             raise ConfigError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         compressed = [s for s in self.schemas if s.compress_ratio]
         # The smallest ratio fills blocks first: a block is needed once its first entry closes.
-        self._fill_ratio = min((s.compress_ratio for s in compressed), default=0)
+        self._fill_ratio = block_fill_ratio(self.schemas)
         self.max_blocks_per_request = max(1, self.blocks_needed(cfg.max_position_embeddings))
 
         self.allocator = BlockAllocator(num_blocks)
@@ -85,16 +91,8 @@ class KVCacheManager:
         return free // self.block_bytes
 
     def blocks_needed(self, seq_len: int) -> int:
-        """Blocks a request of `seq_len` tokens holds: those containing at least one closed entry.
-
-            tokens   0 ... 255 | 256 ... 511 |      (tokens_per_block 256, m = 4, 64 entries/block)
-            entry 63 closes at token 255 -> 1 block; entry 64 closes at token 259 -> 2 blocks
-        """
-        if not self._fill_ratio:
-            return 0
-        entries = seq_len // self._fill_ratio
-        per_block = self.tokens_per_block // self._fill_ratio
-        return -(-entries // per_block)
+        """Blocks a request of `seq_len` tokens holds (rule: `dsv4.cache.schema.blocks_needed`)."""
+        return blocks_needed(seq_len, self.tokens_per_block, self._fill_ratio)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str) -> int:
@@ -202,7 +200,10 @@ class KVCacheManager:
         for k, n in sizes.items():
             self._dev[k][:n].copy_(h[k][:n], non_blocking=True)
             views[k] = self._dev[k][:n]
+        bound = min(max(self.tokens_per_block, 1 << (max(slens) - 1).bit_length()),
+                    self.max_blocks_per_request * self.tokens_per_block)
         return ForwardBatch(request_ids=tuple(new_tokens), tokens_per_block=self.tokens_per_block, **views,
+                            seq_len_bound=bound,
                             query_lens_host=tuple(qlens), seq_lens_host=tuple(slens), slots_host=tuple(slots),
                             block_lens_host=tuple(blens))
 

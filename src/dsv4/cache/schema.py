@@ -124,6 +124,29 @@ def build_schemas(config: DSV4Config, *, tokens_per_block: int = BLOCK_SIZE_ORIG
                          indexer_format_name=indexer_format_name) for s in config.layer_schedule()]
 
 
+def block_fill_ratio(schemas: list[LayerCacheSchema]) -> int:
+    """The smallest compress ratio among the compressed layers (0 if none): it fills blocks first."""
+    return min((s.compress_ratio for s in schemas if s.compress_ratio), default=0)
+
+
+def blocks_needed(seq_len: int, tokens_per_block: int, fill_ratio: int) -> int:
+    """Blocks a request of `seq_len` tokens holds: those containing at least one closed entry.
+
+    `fill_ratio` is `block_fill_ratio(schemas)`; a block is needed once its first entry of the
+    fastest-filling layer type closes (0 = no compressed layers, no blocks):
+
+        tokens   0 ... 255 | 256 ... 511 |      (tokens_per_block 256, m = 4, 64 entries/block)
+        entry 63 closes at token 255 -> 1 block; entry 64 closes at token 259 -> 2 blocks
+
+    KVCacheManager and the memory planner (`dsv4.planner`) both use this rule.
+    """
+    if not fill_ratio:
+        return 0
+    entries = seq_len // fill_ratio
+    per_block = tokens_per_block // fill_ratio
+    return -(-entries // per_block)
+
+
 def blocks_for_tokens(tokens: int, tokens_per_block: int) -> int:
     """Blocks a request of `tokens` tokens holds: ceil, since a partial block is still a block."""
     return -(-tokens // tokens_per_block)

@@ -145,7 +145,7 @@ def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[N, D] codes < 16 -> [N, D/2] uint8; element 2i in the low nibble, 2i+1 in the high."""
-    return codes[:, 1::2] | (codes[:, 0::2] << 4)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

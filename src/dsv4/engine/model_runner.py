@@ -1,0 +1,111 @@
+"""ModelRunner: transformers' DeepSeek-V4 with its attention replaced by `AttentionSubBlock`.
+
+`patch_attention` swaps every `layer.self_attn` (transformers' `DeepseekV4Attention`) for a
+`PagedSelfAttention` holding an `AttentionSubBlock` with the same weights; the HF module is dropped,
+so no second copy of the attention weights stays alive. Everything else (embedding, mHC
+hyper-connections, hash / top-k MoE, final norm, head) is transformers' own code, called layer by
+layer on the packed tokens of a whole batch as one [1, T] sequence:
+
+    ids [T] --embed--> [1, T, d] --expand--> streams [1, T, hc, d]
+    per layer: DeepseekV4DecoderLayer.forward(streams, input_ids=ids[None], batch=, cache=)
+               (attn_hc -> input_layernorm -> PagedSelfAttention -> ffn_hc -> MoE, all per token)
+    rows of the requests' last tokens --hc_head, norm, lm_head--> logits [B', vocab]
+
+No dense attention mask is built: only the attention mixes tokens, and it reads the paged cache
+through the step's `ForwardBatch`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.attention.sub_block import AttentionSubBlock
+from dsv4.cache.batch import ForwardBatch
+from dsv4.cache.manager import KVCacheManager
+from dsv4.errors import CheckpointError
+from dsv4.model.config import DSV4Config
+
+
+class PagedSelfAttention(nn.Module):
+    """Stands in for `DeepseekV4Attention` inside a `DeepseekV4DecoderLayer`."""
+
+    def __init__(self, block: AttentionSubBlock):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states: torch.Tensor, *, batch: ForwardBatch, cache, **_) -> tuple[torch.Tensor, None]:
+        """hidden_states [1, T, d] (the layer's normed input, packed) -> ([1, T, d], None), like HF's module."""
+        return self.block(hidden_states[0], batch, cache)[None], None
+
+
+def patch_attention(model: nn.Module, cfg: DSV4Config, dtype: torch.dtype) -> list[AttentionSubBlock]:
+    """Replace each decoder layer's `self_attn` by a `PagedSelfAttention` (in place).
+
+    The sub-block is built on the HF module's device, loads its state dict (strict), is cast to `dtype`,
+    and the HF module is released. Returns the sub-blocks, one per layer.
+    """
+    layers = model.model.layers
+    if len(layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"the model has {len(layers)} decoder layers but its config says "
+                              f"{cfg.num_hidden_layers}; re-save the checkpoint")
+    blocks = []
+    for i, layer in enumerate(layers):
+        old = layer.self_attn
+        if isinstance(old, PagedSelfAttention):
+            raise CheckpointError("this model's attention is already patched by another Engine; "
+                                  "give each Engine its own model")
+        device = next(old.parameters()).device
+        with torch.device(device):
+            block = AttentionSubBlock(cfg, i)
+        block.load_hf_state_dict(old.state_dict())
+        block.to(dtype)
+        layer.self_attn = PagedSelfAttention(block)  # drops the last reference to the HF module
+        blocks.append(block)
+    return blocks
+
+
+def cast_like_transformers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `model` to `dtype`, keeping in fp32 what transformers keeps in fp32 when it loads in `dtype`.
+
+    (`_keep_in_fp32_modules_strict`: the mHC weights, norms, sinks, position biases, router bias.)
+    """
+    model.to(dtype)
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float32 or not keep:
+        return
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in keep:
+            module.float()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.rsplit(".", 1)[-1] in keep and t.is_floating_point():
+            t.data = t.data.float()
+
+
+class ModelRunner:
+    """One forward step of the patched model over a `ForwardBatch` of packed tokens."""
+
+    def __init__(self, model: nn.Module, cfg: DSV4Config, manager: KVCacheManager):
+        self.model, self.cfg, self.manager = model, cfg, manager
+        self.hc_mult = int(model.config.hc_mult)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run every layer on the step's tokens; the cache of each layer is read and written on the way.
+
+        Args:
+            token_ids: [T] int64 on the manager's device, packed in batch order (as `prepare_forward`).
+            batch: the step's metadata from `manager.prepare_forward`.
+            logit_rows: [B'] int64, the packed rows whose next-token logits are wanted (e.g. last tokens).
+        Returns:
+            [B', vocab] float32 logits.
+        """
+        inner = self.model.model
+        ids = token_ids[None]                                               # [1, T]
+        x = inner.embed_tokens(ids)                                         # [1, T, d]
+        h = x.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()    # [1, T, hc, d]
+        for i, layer in enumerate(inner.layers):
+            h = layer(h, input_ids=ids, batch=batch, cache=self.manager.acquire(i, batch))
+        h = h[:, logit_rows]                                                # [1, B', hc, d]
+        h = inner.norm(inner.hc_head(h))                                    # [1, B', d]
+        return self.model.lm_head(h)[0].float()
