@@ -18,7 +18,7 @@ import torch
 from dsv4 import DSV4Config, KVCacheManager
 from dsv4.attention import AttentionSubBlock
 
-__all__ = ["chunked", "make_block", "max_rel", "rel_l2", "run_dsv4", "topk_sets"]
+__all__ = ["chunked", "indexer_scores", "make_block", "max_rel", "rel_l2", "run_dsv4", "topk_sets"]
 
 
 def make_block(cfg: DSV4Config, layer: int, weights: dict[str, torch.Tensor]) -> AttentionSubBlock:
@@ -59,7 +59,8 @@ def run_dsv4(
 
     blk / mgr: reuse a prebuilt block or manager (requests not yet in `mgr` are added to it).
     capture_topk: CSA only: also return what `blk.compressor.indexer.select` picked per token
-      ([S, index_topk] int64, -1 padded, the library's order).
+      ([S, index_topk] int64, -1 padded, the library's order; -2 rows: tokens of all-decode steps,
+      whose fast path selects without calling select()).
     on_step: called as on_step(mgr, step) after every forward (e.g. to free a finished request).
     """
     if blk is None:
@@ -102,7 +103,12 @@ def run_dsv4(
                 batch = mgr.prepare_forward(dict(step))
                 out = blk(x, batch, mgr.acquire(layer, batch))
                 assert out.shape == x.shape
-                sel = picks[-1] if capture_topk else None
+                sel = None
+                if capture_topk:
+                    # The all-decode fast path scores inside its own kernel and does not call select():
+                    # its rows are unknown (-2) to the capture.
+                    sel = picks.pop() if picks else torch.full((x.shape[0], cfg.index_topk), -2, dtype=torch.long)
+                    assert not picks, "select() ran more than once in one forward"
                 t0 = 0
                 for rid, n in step.items():
                     outs[rid].append(out[t0:t0 + n])
@@ -136,3 +142,35 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def topk_sets(sel: torch.Tensor) -> list[frozenset[int]]:
     """Rows of a -1-padded [S, k] selection as sets of entry indices."""
     return [frozenset(v for v in row.tolist() if v >= 0) for row in sel]
+
+
+def indexer_scores(cfg: DSV4Config, layer: int, weights: dict[str, torch.Tensor], x: torch.Tensor,
+                   indexer_format: str | None = None) -> torch.Tensor:
+    """CSA lightning-indexer scores I[t, w] in float64 (DESIGN §3), -inf where w is not yet visible.
+
+    Built from `dsv4.reference.dense`'s compressor and RoPE. indexer_format: if given, the keys go
+    through that storage format's writer and reader (and queries into its stored basis, e.g. the
+    Hadamard rotation of mxfp4), i.e. the scores the quantised cache gives in exact arithmetic.
+    """
+    from dsv4.cache.formats import indexer_format as make_format
+    from dsv4.reference import dense
+
+    w = {k: v.double() for k, v in weights.items()}
+    x = x.double()
+    S, m, eps = x.shape[0], cfg.csa_compression_ratio, cfg.rms_norm_eps
+    n_heads, dim = cfg.index_n_heads, cfg.indexer_head_dim
+    inv = dense.rope_inv_freq(cfg, compress=True)
+    pos = torch.arange(S)
+    p = "compressor.indexer."
+    keys = dense._csa_entries(x, w[p + "kv_proj.weight"], w[p + "gate_proj.weight"], w[p + "position_bias"],
+                              w[p + "kv_norm.weight"], m, inv, eps)
+    q_res = dense._rms(x @ w["q_a_proj.weight"].T, w["q_a_norm.weight"], eps)
+    q = dense._rope((q_res @ w[p + "q_b_proj.weight"].T).view(S, n_heads, dim), pos, inv)
+    g = (x @ w[p + "scorer.weights_proj.weight"].T) * n_heads ** -0.5
+    if indexer_format is not None:
+        fmt = make_format(indexer_format, dim)
+        keys = fmt.roundtrip(keys.float()).double()
+        q = fmt.to_stored_basis(q.float()).double()
+    score = (torch.einsum("thd,wd->thw", q, keys).relu() * g[..., None]).sum(1) * dim ** -0.5
+    visible = torch.arange(keys.shape[0])[None, :] < ((pos + 1) // m)[:, None]
+    return score.masked_fill(~visible, float("-inf"))

@@ -8,6 +8,11 @@ import sys
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be chosen before
+# triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hf_oracle, ...) by name
 
 from dsv4 import DSV4Config  # noqa: E402

@@ -9,12 +9,13 @@ exactly where the last call stopped.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
-from dsv4.kernels.reference.compress import compress_update
 from dsv4.model.rope import RopeTable, apply_rope
 
 
@@ -30,19 +31,20 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, x: torch.Tensor, batch: ForwardBatch, state: torch.Tensor, rope: RopeTable
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compress(self, x: torch.Tensor, batch: ForwardBatch, state: torch.Tensor, rope: RopeTable,
+                 ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fold the batch's tokens into the state; return the entries that finished.
 
         Args:
             x: [T, hidden] the layer's normed input for the packed new tokens.
             state: [R, 3, P, dim] fp32 online-softmax state of this compressor (updated in place).
+            ops: the op namespace (`dsv4.kernels.dispatch.ops_for`) that runs `compress_update`.
         Returns:
             entries [E, dim] fp32 (normed, RoPE'd at w*m), entry_request [E], entry_index [E] (int64).
         """
         c = self.kv_proj(x).float()
         z = self.gate_proj(x).float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
-        entries, req, idx = compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
+        entries, req, idx = ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
                                             batch.query_lens_host, self.ratio, self.overlap)
         entries = self.kv_norm(entries)
         cos, sin = rope.cos_sin(idx * self.ratio)

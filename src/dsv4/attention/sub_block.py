@@ -106,11 +106,12 @@ class AttentionSubBlock(nn.Module):
 
         comp_kv = comp_valid = selected = None
         if self.compressor is not None:
+            ops = ops_for(x.device, self.backend)
             st = cache.state
-            entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope)
+            entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope, ops)
             ikeys = None
             if self.spec.attn is AttentionType.CSA:
-                ikeys, _, _ = self.compressor.indexer.compress(x, batch, st.idx_state, self.rope)
+                ikeys, _, _ = self.compressor.indexer.compress(x, batch, st.idx_state, self.rope, ops)
             cache.flush_compression(entries, ereq, eidx, ikeys)
             comp_kv, comp_valid = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:

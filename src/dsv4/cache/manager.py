@@ -80,9 +80,12 @@ class KVCacheManager:
     def blocks_for_memory(self, memory_bytes: int) -> int:
         """Blocks (null block included) that fit in `memory_bytes` after the state of max_requests."""
         state = self.state_bytes_per_request * self.max_requests
-        if self.block_bytes == 0:
-            return 2  # SWA-only model: no paged pools
         free = memory_bytes - state
+        if self.block_bytes == 0:  # SWA-only model: no paged pools, only the state must fit
+            if free < 0:
+                raise ConfigError(f"memory_bytes={memory_bytes} is less than the state of {self.max_requests} "
+                                  f"requests ({state} B); give more memory or lower max_requests")
+            return 2
         if free < 2 * self.block_bytes:
             raise ConfigError(
                 f"memory_bytes={memory_bytes} leaves no room for cache blocks: the state of {self.max_requests} "
@@ -125,7 +128,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ step planning
     def _alloc_buffers(self) -> None:
-        i32 = dict(dtype=torch.int32)
+        i32 = {"dtype": torch.int32}
         r, t, mb = self.max_requests, self.max_batch_tokens, self.max_blocks_per_request
         pin = self.device.type == "cuda"
         self._host = {

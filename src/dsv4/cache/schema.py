@@ -147,25 +147,20 @@ def blocks_needed(seq_len: int, tokens_per_block: int, fill_ratio: int) -> int:
     return -(-entries // per_block)
 
 
-def blocks_for_tokens(tokens: int, tokens_per_block: int) -> int:
-    """Blocks a request of `tokens` tokens holds: ceil, since a partial block is still a block."""
-    return -(-tokens // tokens_per_block)
-
-
 def compute_block_budget(config: DSV4Config, schedule: list[LayerSpec] | None = None, *,
                          max_context_tokens: int, max_concurrent_requests: int,
                          tokens_per_block: int = BLOCK_SIZE_ORIGINAL_TOKENS, kv_format: str = "fp8_ds",
                          indexer_format_name: str = "mxfp4") -> dict[str, int]:
     """Blocks and bytes for `max_concurrent_requests` requests of `max_context_tokens` tokens.
 
-    Returns a dict with `blocks_per_request` (ceil), `num_blocks` (incl. the null block 0),
+    Returns a dict with `blocks_per_request` (the manager's rule, `blocks_needed`), `num_blocks` (incl. the null block 0),
     `block_bytes` (one block id across all layers), `state_bytes_per_request`, `paged_bytes`,
     `state_bytes` and `total_bytes`.
     """
     schedule = schedule if schedule is not None else config.layer_schedule()
     schemas = [build_schema(config, s, tokens_per_block=tokens_per_block, kv_format=kv_format,
                             indexer_format_name=indexer_format_name) for s in schedule]
-    per_req = blocks_for_tokens(max_context_tokens, tokens_per_block)
+    per_req = blocks_needed(max_context_tokens, tokens_per_block, block_fill_ratio(schemas))
     block_bytes = sum(s.block_bytes for s in schemas)
     state = sum(s.state_bytes for s in schemas)
     num_blocks = per_req * max_concurrent_requests + 1

@@ -1,7 +1,7 @@
 """Choose the implementation of the cache ops: the PyTorch reference or the Triton kernels.
 
 Both namespaces export the same functions with the same signatures:
-append_window, write_entries, compress_decode, paged_indexer_scores, topk_smaller_index,
+append_window, write_entries, compress_update, compress_decode, paged_indexer_scores, topk_smaller_index,
 decode_attention. `auto` picks Triton on CUDA when Triton is importable, else the reference.
 """
 
@@ -17,9 +17,10 @@ BACKENDS = ("auto", "reference", "triton")
 
 
 def _reference() -> types.SimpleNamespace:
-    from dsv4.kernels.reference import cache_ops, decode
+    from dsv4.kernels.reference import cache_ops, compress, decode
     return types.SimpleNamespace(
         name="reference", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
+        compress_update=compress.compress_update,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention)
 

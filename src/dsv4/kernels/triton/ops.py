@@ -1,0 +1,19 @@
+"""The Triton op namespace: the same functions and signatures as the reference (see dispatch.py).
+
+`topk_smaller_index` stays a PyTorch op (torch.topk on packed int64 keys runs on the GPU and is
+capturable); everything that reads or writes cache bytes is a Triton kernel.
+"""
+
+from __future__ import annotations
+
+import types
+
+from dsv4.kernels.reference.decode import topk_smaller_index
+from dsv4.kernels.triton import cache_ops, compress, decode
+
+
+def namespace() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        name="triton", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
+        compress_update=compress.compress_update,        compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
+        topk_smaller_index=topk_smaller_index, decode_attention=decode.decode_attention)
