@@ -218,12 +218,50 @@ def _plot(cfg: DSV4Config, path: str, tokens_per_block: int) -> None:
         raise InputError(f"cannot write plot to {path!r}: {e.strerror or e}") from None
 
 
+# ------------------------------------------------------------------------------------------ dsv4 run
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from dsv4.cache.formats import INDEXER_FORMATS, MAIN_FORMATS
+
+    p = sub.add_parser("run", help="generate with continuous batching on the compressed cache (dsv4.engine)",
+                       description="Serve prompts through dsv4.engine.Engine and report throughput, time to first "
+                                   "token and cache memory. With no arguments: a built-in tiny random DSV4 model "
+                                   "and built-in prompts, on the CPU in seconds.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json + *.safetensors, "
+                                                  "transformers or DeepSeek weight names); default: built-in model")
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line: text (needs the checkpoint's tokenizer) "
+                                                     'or space-separated token ids; or JSONL {"ids": [...]} / '
+                                                     '{"text": ...}; default: built-in prompts')
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
+    p.add_argument("--max-batch-tokens", type=int, default=1024,
+                   help="tokens per forward step, summed over requests; prompts prefill in chunks (default 1024)")
+    p.add_argument("--max-requests", type=int, default=8, help="requests served at once (default 8)")
+    p.add_argument("--kv-format", choices=MAIN_FORMATS, default="fp8_ds")
+    p.add_argument("--indexer-format", choices=INDEXER_FORMATS, default="mxfp4")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype (auto: the checkpoint's; float32 for the built-in model)")
+    p.add_argument("--memory", type=_arg(parse_size), default=None,
+                   help="cache memory budget, e.g. 4GiB (default: enough for the requests served at once)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from dsv4.engine.command import run_from_args
+
+    return run_from_args(args)
+
+
 # ------------------------------------------------------------------------------------------ entry point
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dsv4", description="Paged, compressed KV cache for DeepSeek-V4 attention.")
     parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     _add_plan(sub)
+    _add_run(sub)
     # Later subcommands (`run`, `bench`) add themselves here the same way: _add_run(sub), _add_bench(sub).
     return parser
 

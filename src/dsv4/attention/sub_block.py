@@ -31,10 +31,14 @@ from dsv4.model.weights import deepseek_to_hf_names
 
 
 class AttentionSubBlock(nn.Module):
-    """One layer's attention. `backend`: "auto" (Triton on CUDA), "reference" or "triton" for the
-    decode fast path; `decode_path=False` sends decode batches through the general path too."""
+    """One layer's attention.
 
-    def __init__(self, cfg: DSV4Config, layer_idx: int, *, backend: str = "auto", decode_path: bool = True):
+    `backend` overrides the cache's kernels ("reference" or "triton"; None = the cache's choice,
+    see KVCacheManager(backend=)); `decode_path=False` sends decode batches through the general
+    path too (for tests).
+    """
+
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, backend: str | None = None, decode_path: bool = True):
         super().__init__()
         self.backend, self.decode_path = backend, decode_path
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -86,7 +90,7 @@ class AttentionSubBlock(nn.Module):
         q = apply_rope_heads(q, cos, sin).float()
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, ops_for(x.device, self.backend))
+            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, self._ops(cache))
         else:
             o = self._attend_general(x, q, q_res, kv, cos, sin, batch, cache)
         o = apply_rope_heads(o, cos, sin, inverse=True).to(x.dtype)
@@ -106,7 +110,7 @@ class AttentionSubBlock(nn.Module):
 
         comp_kv = comp_valid = selected = None
         if self.compressor is not None:
-            ops = ops_for(x.device, self.backend)
+            ops = self._ops(cache)
             st = cache.state
             entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope, ops)
             ikeys = None
@@ -140,6 +144,9 @@ class AttentionSubBlock(nn.Module):
             o[t0:t0 + n] = attention_with_sink(q[t0:t0 + n], torch.cat(keys), mask, self.sinks, dh ** -0.5)
             t0 += n
         return o
+
+    def _ops(self, cache: LayerCacheHandle):
+        return cache.ops if self.backend is None else ops_for(cache.state.device, self.backend)
 
     def _check(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> None:
         w = self.q_a_proj.weight

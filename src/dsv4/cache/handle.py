@@ -16,7 +16,7 @@ from dsv4.cache.paged_cache import PagedKVPool
 from dsv4.cache.schema import LayerCacheSchema
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import DeviceError, InputError
-from dsv4.kernels.reference import cache_ops as ops
+from dsv4.kernels.dispatch import ops_for
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +53,12 @@ class LayerCacheHandle:
     state: StateCachePool
     batch: ForwardBatch
     num_query_heads: int
+    backend: str = "auto"   # kernels: "auto" (Triton on CUDA), "reference" or "triton"
+
+    @property
+    def ops(self):
+        """The op namespace that reads and writes this cache (see dsv4.kernels.dispatch)."""
+        return ops_for(self.state.device, self.backend)
 
     @property
     def head_dim(self) -> int:
@@ -80,13 +86,13 @@ class LayerCacheHandle:
         b = self.batch
         self._check("kv", kv, (b.num_tokens, self.head_dim))
         st = self.state
-        ops.append_window(st.swa, self.schema.kv_format, st.swa_pos, st.swa_head, kv, b.positions,
+        self.ops.append_window(st.swa, self.schema.kv_format, st.swa_pos, st.swa_head, kv, b.positions,
                           b.token_request, b.request_slots, b.seq_lens)
 
     def gather_swa_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Ring contents in position order: kv [B, W, D] fp32, positions [B, W] int32, valid [B, W] bool."""
         st = self.state
-        return ops.gather_window(st.swa, self.schema.kv_format, st.swa_pos, self.batch.request_slots)
+        return self.ops.gather_window(st.swa, self.schema.kv_format, st.swa_pos, self.batch.request_slots)
 
     # ------------------------------------------------------------------ compressed entries
     def flush_compression(self, compressed: torch.Tensor, entry_request: torch.Tensor, entry_index: torch.Tensor,
@@ -106,11 +112,11 @@ class LayerCacheHandle:
                 raise InputError(f"layer {sch.layer_idx} is CSA: flush_compression needs indexer_keys")
             self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
         b = self.batch
-        ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
+        self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
                           sch.entries_per_block)
         if pool.indexer is not None:
             assert indexer_keys is not None
-            ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
+            self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
                               b.block_table, sch.entries_per_block)
 
     def num_entries(self) -> torch.Tensor:
@@ -126,13 +132,13 @@ class LayerCacheHandle:
         Returns kv [T, k, D] fp32 (used as both K and V) and valid [T, k] bool.
         """
         pool, b = self._paged(), self.batch
-        return ops.gather_entries(pool.kv, self.schema.kv_format, selected_indices, b.token_request,
+        return self.ops.gather_entries(pool.kv, self.schema.kv_format, selected_indices, b.token_request,
                                   b.block_table, self.schema.entries_per_block)
 
     def gather_all_compressed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """HCA (or CSA with every entry): kv [B, N, D] fp32 and valid [B, N], N = max entries in the batch."""
         pool, b = self._paged(), self.batch
-        return ops.gather_all_entries(pool.kv, self.schema.kv_format, self.num_entries(), self.max_entries(),
+        return self.ops.gather_all_entries(pool.kv, self.schema.kv_format, self.num_entries(), self.max_entries(),
                                       b.block_table, self.schema.entries_per_block)
 
     def gather_all_indexer_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +146,7 @@ class LayerCacheHandle:
         pool, b = self._paged(), self.batch
         if pool.indexer is None:
             raise InputError(f"layer {self.schema.layer_idx} has no indexer (only CSA layers do)")
-        return ops.gather_all_entries(pool.indexer, self.schema.indexer_format, self.num_entries(),
+        return self.ops.gather_all_entries(pool.indexer, self.schema.indexer_format, self.num_entries(),
                                       self.max_entries(), b.block_table, self.schema.entries_per_block)
 
     # ------------------------------------------------------------------ typed views

@@ -29,6 +29,7 @@ from dsv4.cache.schema import (
 )
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import ConfigError, InputError, OutOfBlocksError, RequestError
+from dsv4.kernels.dispatch import BACKENDS
 from dsv4.model.config import DSV4Config
 
 
@@ -43,12 +44,15 @@ class KVCacheManager:
     def __init__(self, cfg: DSV4Config, *, max_requests: int = 8, num_blocks: int | None = None,
                  memory_bytes: int | None = None, device: torch.device | str = "cpu",
                  kv_format: str = "fp8_ds", indexer_format: str = "mxfp4",
-                 tokens_per_block: int = BLOCK_SIZE_ORIGINAL_TOKENS, max_batch_tokens: int = 8192):
+                 tokens_per_block: int = BLOCK_SIZE_ORIGINAL_TOKENS, max_batch_tokens: int = 8192,
+                 backend: str = "auto"):
         if (num_blocks is None) == (memory_bytes is None):
             raise ConfigError("give exactly one of num_blocks= or memory_bytes= to size the cache")
         if max_requests < 1 or max_batch_tokens < 1:
             raise ConfigError("max_requests and max_batch_tokens must be at least 1")
-        self.cfg = cfg
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
+        self.cfg, self.backend = cfg, backend
         self.device = torch.device(device)
         self.tokens_per_block = tokens_per_block
         self.max_requests = max_requests
@@ -216,7 +220,7 @@ class KVCacheManager:
             raise InputError(f"layer_idx={layer_idx} out of range: the model has {len(self.schemas)} layers")
         return LayerCacheHandle(schema=self.schemas[layer_idx], paged=self.paged.get(layer_idx),
                                 state=self.states[layer_idx], batch=batch,
-                                num_query_heads=self.cfg.num_attention_heads)
+                                num_query_heads=self.cfg.num_attention_heads, backend=self.backend)
 
     # ------------------------------------------------------------------ reporting
     def seq_len(self, request_id: str) -> int:

@@ -1,12 +1,14 @@
 """Choose the implementation of the cache ops: the PyTorch reference or the Triton kernels.
 
 Both namespaces export the same functions with the same signatures:
-append_window, write_entries, compress_update, compress_decode, paged_indexer_scores, topk_smaller_index,
+append_window, write_entries, gather_window, gather_entries, gather_all_entries,
+compress_update, compress_decode, paged_indexer_scores, topk_smaller_index,
 decode_attention. `auto` picks Triton on CUDA when Triton is importable, else the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -20,7 +22,8 @@ def _reference() -> types.SimpleNamespace:
     from dsv4.kernels.reference import cache_ops, compress, decode
     return types.SimpleNamespace(
         name="reference", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
-        compress_update=compress.compress_update,
+        compress_update=compress.compress_update, gather_window=cache_ops.gather_window,
+        gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention)
 
@@ -33,16 +36,21 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def _namespace(kind: str) -> types.SimpleNamespace:
+    if kind == "reference":
+        return _reference()
+    from dsv4.kernels.triton import ops  # noqa: PLC0415 (imports triton, only when asked for)
+    return ops.namespace()
+
+
 def ops_for(device: torch.device | str, backend: str = "auto") -> types.SimpleNamespace:
-    """The op namespace for tensors on `device`."""
+    """The op namespace for tensors on `device` (cached: one lookup per call site is cheap)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
     dev = torch.device(device)
     if backend == "auto":
         backend = "triton" if dev.type == "cuda" and triton_available() else "reference"
-    if backend == "reference":
-        return _reference()
-    if not triton_available():
+    if backend == "triton" and not triton_available():
         raise ConfigError("backend='triton' needs the triton package (pip install triton)")
-    from dsv4.kernels.triton import ops  # noqa: PLC0415 (imports triton, only when asked for)
-    return ops.namespace()
+    return _namespace(backend)

@@ -1,0 +1,178 @@
+"""Timing: medians after warm-up, CUDA graphs for launch-bound work, OOM caught per case.
+
+On CUDA, a single launchable region is timed with `triton.testing.do_bench(return_mode="median")`:
+CUDA events around each call, the L2 cache flushed before every call (cold inputs), warm-up and
+repetition budgets in milliseconds. Work that must replan on the host between device regions
+(a multi-chunk prefill) is timed region by region with CUDA events and summed per run; the
+median is over runs. On CPU everything uses `time.perf_counter` medians (for smoke runs only).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsv4.bench.common import BenchOptions, short_reason
+
+
+@dataclass(kw_only=True, slots=True)
+class Timing:
+    us: float
+    mode: str                     # graph | eager | host | events
+    us_eager: float | None = None
+    note: str | None = None
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()  # CPU allocator failures and some CUDA paths raise a plain RuntimeError
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def guarded(fn: Callable[[], Any]) -> tuple[str, Any, str | None]:
+    """Run fn() -> ("ok", result, None) | ("oom", None, reason) | ("error", None, reason). Never raises
+    (KeyboardInterrupt excepted): one case failing must not end the run."""
+    try:
+        return "ok", fn(), None
+    except Exception as e:  # noqa: BLE001 - every failure becomes a row status
+        status, reason = ("oom" if is_oom(e) else "error"), short_reason(e)
+    free_memory()  # after the except block: the traceback's frames (and their tensors) are gone
+    return status, None, reason
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    def __init__(self, opts: BenchOptions):
+        self.device = opts.device
+        self.warmup_ms, self.rep_ms = opts.warmup_ms, opts.rep_ms
+        self.host_warmup, self.host_reps = opts.host_warmup, opts.host_reps
+        self.graph = opts.graph and self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ one region
+    def time(self, fn: Callable[[], Any], *, graph: bool = False) -> Timing:
+        """Median µs of fn(). graph=True (CUDA): also capture fn in a CUDA graph and report the
+        replay time (the eager time goes to `us_eager`); a failed capture falls back to eager."""
+        if self.device.type != "cuda":
+            return Timing(us=self._host_median(fn), mode="host")
+        eager = self._do_bench(fn)
+        if not (graph and self.graph):
+            return Timing(us=eager, mode="eager")
+        try:
+            g = _capture(fn)
+        except Exception as e:  # noqa: BLE001 - capture is an optimisation: report and go on
+            free_memory()
+            return Timing(us=eager, mode="eager", note=f"graph capture failed: {short_reason(e, 100)}")
+        try:
+            return Timing(us=self._do_bench(g.replay), mode="graph", us_eager=eager)
+        finally:
+            del g
+            free_memory()
+
+    def _do_bench(self, fn: Callable[[], Any]) -> float:
+        try:
+            from triton.testing import do_bench
+        except ImportError:  # no triton: the same method by hand
+            return _event_median(fn, self.warmup_ms, self.rep_ms, self.device)
+        return 1e3 * do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+
+    def _host_median(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.host_warmup):
+            fn()
+        samples = []
+        for _ in range(self.host_reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(samples)
+
+    # ------------------------------------------------------------------ several regions per run
+    def time_regions(self, run: Callable[[Callable[[Callable[[], Any]], None]], None]) -> Timing:
+        """Median over runs of the summed device time of the regions one run marks.
+
+        `run(region)` does one whole run (e.g. a chunked prefill of a fresh request); it calls
+        `region(fn)` around each piece of device work to time, doing host planning in between.
+        """
+        cuda = self.device.type == "cuda"
+        samples: list[float] = []
+        for i in range(self.host_warmup + self.host_reps):
+            total = 0.0
+
+            def region(fn: Callable[[], Any]) -> None:
+                nonlocal total
+                _sync(self.device)
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn()
+                    b.record()
+                    b.synchronize()
+                    total += 1e3 * a.elapsed_time(b)
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    total += 1e6 * (time.perf_counter() - t0)
+
+            run(region)
+            if i >= self.host_warmup:
+                samples.append(total)
+        return Timing(us=statistics.median(samples), mode="events" if cuda else "host")
+
+
+def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (warmed up on a side stream first, as PyTorch requires)."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _event_median(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device: torch.device) -> float:
+    """do_bench's method without triton: L2 flushed by a 256 MB write before each timed call."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    est = max(a.elapsed_time(b) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    samples = []
+    for _ in range(max(1, int(rep_ms / est))):
+        flush.zero_()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    return 1e3 * statistics.median(samples)
