@@ -80,19 +80,21 @@ MEASURED: list[tuple[str, str, str, float, float | None]] = []  # (case, layer, 
 
 def _record(case: str, kind: str, metric: str, value: float, bound: float | None = None) -> None:
     MEASURED.append((case, kind, metric, value, bound))
-    print(f"{case:34s} {kind:4s} {metric:28s} {value:.3e}" + (f"  (bound {bound:.3e})" if bound else ""))
+    print(f"{case:36s} {kind:4s} {metric:30s} {value:.3e}" + (f"  (bound {bound:.3e})" if bound else ""))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report(request):
     yield
     tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not MEASURED:
+    cap = request.config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or cap is None or not MEASURED:
         return
-    tr.write_line("")
-    for case, kind, metric, value, bound in MEASURED:
-        b = f"  <= {bound:.2e}" if bound else ""
-        tr.write_line(f"attention: {case:34s} {kind:4s} {metric:28s} {value:.3e}{b}")
+    with cap.global_and_fixture_disabled():
+        tr.write_line("")
+        for case, kind, metric, value, bound in MEASURED:
+            b = f"  (bound {bound:.2e})" if bound else ""
+            tr.write_line(f"attention: {case:36s} {kind:4s} {metric:30s} {value:.3e}{b}")
 
 
 # ------------------------------------------------------------------------------------------ shared data
@@ -282,7 +284,8 @@ def _quant_case(kind: str):
 @pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=lambda f: "-".join(f))
 def test_quantised_formats_within_bound(fmt, kind, sched):
     cfg, w, x, ref, _ = _quant_case(kind)
-    assert cfg.index_topk >= S_TINY // cfg.csa_compression_ratio
+    if kind == "csa":
+        assert cfg.index_topk >= S_TINY // cfg.csa_compression_ratio
     ours = run_dsv4(cfg, LAYERS[kind], w, {"a": x}, chunked("a", SCHEDULES[sched]), kv_format=fmt[0],
                     indexer_format=fmt[1])["a"]
     e = rel_l2(ours, ref)
@@ -314,46 +317,61 @@ def _run_captured(cfg_name: str, kind: str, fmt: tuple[str, str]):
                     indexer_format=fmt[1], capture_topk=kind == "csa", num_blocks=128)
 
 
+def _top_mask(sets: list[frozenset[int]], shape: tuple[int, int]) -> torch.Tensor:
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for t, st in enumerate(sets):
+        mask[t, list(st)] = True
+    return mask
+
+
 @pytest.mark.parametrize("cfg_name", ["tiny", "real"])
 @pytest.mark.parametrize("fmt", QUANT_FORMATS, ids=lambda f: "-".join(f))
 def test_csa_topk_agreement_quantised(fmt, cfg_name):
-    cfg, w, x = (_tiny("csa") if cfg_name == "tiny" else _real("csa"))[:3]
-    ref = _tiny("csa")[3] if cfg_name == "tiny" else _real("csa")[3]
+    cfg, w, x, ref = (_tiny("csa")[:4] if cfg_name == "tiny" else _real("csa"))
     k = cfg.index_topk
     out32, sel32 = (v["a"] for v in _run_captured(cfg_name, "csa", ("fp32", "fp32")))
     outq, selq = (v["a"] for v in _run_captured(cfg_name, "csa", fmt))
-    assert (sel32[:, 0] != -2).all() and (selq[:, 0] != -2).all()  # prefill chunks only: all captured
+    # rows of all-decode steps (-2) are not captured; the real schedule has 5 such tokens
+    known = (sel32[:, 0] != -2) & (selq[:, 0] != -2)
+    assert known.float().mean() > 0.99
 
-    score = _ref_scores(cfg_name, "csa")
-    dI = (indexer_scores(cfg, LAYERS["csa"], w, x, fmt[1]) - score).abs()
+    score = _ref_scores(cfg_name, "csa")                                # exact, float64
+    qscore = indexer_scores(cfg, LAYERS["csa"], w, x, fmt[1])           # keys through the format
     fin = torch.isfinite(score)
-    dI = torch.where(fin, dI, torch.zeros_like(dI))
+    dI = torch.where(fin, (qscore - score).abs(), torch.zeros_like(score))
     scale = torch.where(fin, score.abs(), torch.zeros_like(score)).amax(1)
     exact, _ = _exact_topk(score, k)
+    top = _top_mask(exact, score.shape)
+    rest = fin & ~top
+    inf = torch.tensor(math.inf, dtype=torch.float64)
+    low = torch.where(top, score - dI, inf).amin(1)      # weakest selected entry, pushed down
+    high = torch.where(rest, score + dI, -inf).amax(1)   # strongest unselected entry, pushed up
+    clear = known & ((~rest.any(1)) | (low > high + 1e-5 * scale))  # no swap possible under the rounding
+
     s32, sq = topk_sets(sel32), topk_sets(selq)
-    clear = torch.zeros(score.shape[0], dtype=torch.bool)
-    for t in range(score.shape[0]):
-        top = torch.tensor(sorted(exact[t]), dtype=torch.long)
-        rest = fin[t].clone()
-        rest[top] = False
-        if not rest.any():  # at most k visible: everything visible is selected, nothing can swap
-            clear[t] = True
-            continue
-        low = (score[t, top] - dI[t, top]).min()
-        high = (score[t][rest] + dI[t][rest]).max()
-        clear[t] = bool(low > high + 1e-5 * scale[t])
     agree = torch.tensor([len(a & b) / len(a) if a else 1.0 for a, b in zip(s32, sq)], dtype=torch.float64)
-    same_set = torch.tensor([a == b for a, b in zip(s32, sq)])
+    same_set = torch.tensor([a == b for a, b in zip(s32, sq)]) & known
     case = f"{cfg_name}/topk {'-'.join(fmt)}"
-    _record(case, "csa", "non-tied query fraction", float(clear.float().mean()))
+    non_tied = float(clear.sum() / known.sum())
+    _record(case, "csa", "non-tied query fraction", non_tied)
     _record(case, "csa", "entry agreement (non-tied)", float(agree[clear].mean()), AGREE_MIN)
-    _record(case, "csa", "entry agreement (all)", float(agree.mean()))
-    _record(case, "csa", "same-set query fraction", float(same_set.float().mean()))
-    # the exact check only means something if a good share of queries is not tied
-    assert clear.float().mean() >= (0.5 if fmt[1] == "bf16" else 0.2)
+    _record(case, "csa", "entry agreement (all)", float(agree[known].mean()))
+    _record(case, "csa", "same-set query fraction", float(same_set.sum() / known.sum()))
+    # FP4 keys move scores by ~10% of max|I|: with 75-287 entries most queries then have a possible
+    # swap, so few are "non-tied" for mxfp4 (measured ~8%); demand enough for the check to bite.
+    assert non_tied >= (0.5 if fmt[1] == "bf16" else 0.05)
     assert float(agree[clear].mean()) >= AGREE_MIN
     # the fp32 path itself picks the exact sets on those queries
     assert all(s32[t] == exact[t] for t in torch.nonzero(clear).flatten().tolist())
+
+    # Sharper, for every query: the quantised path picks the top-k of the scores its format gives in
+    # exact arithmetic (a wrong nibble order / scale / Hadamard basis would break this), except where
+    # those scores are themselves tied at fp32 resolution.
+    qexact, qgap = _exact_topk(qscore, k)
+    qclear = known & (qgap > TIE_REL)
+    emul = torch.tensor([sq[t] == qexact[t] for t in range(len(sq))])
+    _record(case, "csa", "== top-k of format's scores", float(emul[qclear].float().mean()), AGREE_MIN)
+    assert float(emul[qclear].float().mean()) >= AGREE_MIN and qclear.float().mean() > 0.9
 
     bound = FORMAT_BOUNDS[fmt]
     e_same = rel_l2(outq[same_set], ref[same_set])

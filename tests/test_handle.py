@@ -114,8 +114,7 @@ def write_and_check_window(mgr: KVCacheManager, ref: DenseReference, batch: Forw
         for j, p in enumerate(range(seq_len - n, seq_len)):
             assert view.positions[slot, p % W].item() == p
             _check_typed_equal(view.entries, fmt, enc, (slot, p % W), j)
-        rows = (p % W for p in range(seq_len - n, seq_len))
-        rows = torch.tensor(list(rows))
+        rows = torch.arange(seq_len - n, seq_len) % W
         if fmt.name == "fp8_ds":
             assert torch.equal(view.entries["rope"][slot, rows], raw[:, D - ROPE:].to(torch.bfloat16))
         elif fmt.name == "bf16":

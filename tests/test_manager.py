@@ -306,7 +306,7 @@ def test_forward_batch_worked_example():
     mgr.add_request("b")
     mgr.prepare_forward({"b": 300})                  # b: 75 entries -> blocks [1, 2]
     batch = mgr.prepare_forward({"a": 37, "b": 1})   # a: 9 entries -> block [3]
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     assert torch.equal(batch.positions, torch.tensor(list(range(37)) + [300], **i32))
     assert torch.equal(batch.token_request, torch.tensor([0] * 37 + [1], **i32))
     assert torch.equal(batch.cu_seqlens, torch.tensor([0, 37, 38], **i32))
@@ -389,7 +389,7 @@ def test_cache_device_given_with_an_index():
     h = mgr.acquire(0, batch)
     kv = torch.randn(3, 128)
     h.write_swa(kv)
-    got, pos, valid = h.gather_swa_kv()
+    got, pos, _ = h.gather_swa_kv()
     assert torch.equal(got[0, -3:], kv.to(torch.bfloat16).float()) and pos[0, -3:].tolist() == [0, 1, 2]
 
 
@@ -402,7 +402,7 @@ def test_cuda_cache_accepts_cuda_tensors():
     h = mgr.acquire(1, batch)
     kv = torch.randn(3, 128, device="cuda")
     h.write_swa(kv)
-    got, pos, valid = h.gather_swa_kv()
+    got, _, valid = h.gather_swa_kv()
     assert torch.equal(got[0, -3:], kv.to(torch.bfloat16).float()) and valid[0].sum().item() == 3
     with pytest.raises(DeviceError):
         h.write_swa(kv.cpu())
@@ -438,7 +438,7 @@ def test_reused_slot_state_is_fully_reset():
     batch = mgr.prepare_forward({"b": 2})
     h = mgr.acquire(1, batch)
     h.write_swa(torch.randn(2, 128))
-    kv, pos, valid = h.gather_swa_kv()
+    _, pos, valid = h.gather_swa_kv()
     assert valid[0].tolist() == [False] * 14 + [True] * 2 and pos[0, -2:].tolist() == [0, 1]
 
 

@@ -142,6 +142,9 @@ class KVCacheManager:
             "block_table": torch.full((r, mb), -1, **i32, pin_memory=pin),
         }
         self._dev = {k: torch.empty_like(v, device=self.device) for k, v in self._host.items()}
+        # The host->device copies are asynchronous: the next step may only rewrite the pinned host
+        # buffers once the previous step's copies have run.
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def prepare_forward(self, new_tokens: dict[str, int]) -> ForwardBatch:
         """Plan one forward: allocate the blocks the new tokens' entries land in, fill metadata.
@@ -159,7 +162,7 @@ class KVCacheManager:
         grow: list[tuple[_Request, int]] = []
         for rid, n in new_tokens.items():
             req = self._get(rid)
-            if not isinstance(n, int) or n < 1:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise InputError(f"request {rid!r}: new token count must be a positive int, got {n!r}")
             end = req.seq_len + n
             if end > self.cfg.max_position_embeddings:
@@ -181,6 +184,8 @@ class KVCacheManager:
         return self._fill_batch(new_tokens)
 
     def _fill_batch(self, new_tokens: dict[str, int]) -> ForwardBatch:
+        if self._copied is not None:
+            self._copied.synchronize()
         h = self._host
         b_count, t_count = len(new_tokens), sum(new_tokens.values())
         qlens, slens, slots, blens = [], [], [], []
@@ -207,6 +212,8 @@ class KVCacheManager:
         for k, n in sizes.items():
             self._dev[k][:n].copy_(h[k][:n], non_blocking=True)
             views[k] = self._dev[k][:n]
+        if self._copied is not None:
+            self._copied.record()
         bound = min(max(self.tokens_per_block, 1 << (max(slens) - 1).bit_length()),
                     self.max_blocks_per_request * self.tokens_per_block)
         return ForwardBatch(request_ids=tuple(new_tokens), tokens_per_block=self.tokens_per_block, **views,

@@ -21,21 +21,28 @@ import os
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.config import DSV4Config
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# What transformers / safetensors raise on a bad config, weight file or tokenizer.
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, SafetensorError)
 
 
 @contextlib.contextmanager
 def _quiet():
-    old = transformers.logging.get_verbosity()
+    """transformers' warnings and its "Loading weights" bar off for the call, restored after."""
+    old, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     try:
         yield
     finally:
         transformers.logging.set_verbosity(old)
+        if bars:
+            transformers.logging.enable_progress_bar()
 
 
 def _first_line(e: BaseException) -> str:
@@ -80,14 +87,14 @@ def load_checkpoint(path: str, dtype: torch.dtype | None = None):
     with _quiet():
         try:
             hc = transformers.DeepseekV4Config.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # transformers raises many types for a bad config
+        except _LOAD_ERRORS as e:
             raise CheckpointError(f"transformers cannot read {path}/config.json ({_first_line(e)}); "
                                   "fix or re-save the config") from None
         try:
             model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
                 path, config=hc, dtype=dtype if dtype is not None else "auto", local_files_only=True,
                 output_loading_info=True)
-        except Exception as e:  # corrupt or truncated safetensors, shape mismatches, ...
+        except _LOAD_ERRORS as e:  # corrupt or truncated safetensors, shape mismatches, ...
             raise CheckpointError(f"cannot load the weights in {path!r} ({_first_line(e)}); "
                                   "re-save the checkpoint") from None
     missing = sorted(info.get("missing_keys") or ())
@@ -107,6 +114,6 @@ def load_tokenizer(path: str):
     with _quiet():
         try:
             return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as e:
+        except _LOAD_ERRORS as e:
             raise CheckpointError(f"cannot load the tokenizer in {path!r} ({_first_line(e)}); fix or remove "
                                   "its tokenizer files (prompts are then token ids)") from None

@@ -79,8 +79,9 @@ def run_from_args(args) -> int:
     """Run `dsv4 run` with parsed arguments (see `dsv4.cli._add_run` for the flags)."""
     device = resolve_device(args.device)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    opts = dict(kv_format=args.kv_format, indexer_format=args.indexer_format, memory_bytes=args.memory,
-                max_requests=args.max_requests, device=device, max_batch_tokens=args.max_batch_tokens, dtype=dtype)
+    opts = {"kv_format": args.kv_format, "indexer_format": args.indexer_format, "memory_bytes": args.memory,
+            "max_requests": args.max_requests, "device": device, "max_batch_tokens": args.max_batch_tokens,
+            "dtype": dtype}
     if args.model is None:
         engine = Engine(build_default_model(DEFAULT_SEED), **opts)
         engine.name = "built-in random DSV4 (4 layers: SWA, CSA, HCA, CSA)"

@@ -32,16 +32,17 @@ DEFAULT_PROMPT_LENGTHS = (1200, 1030, 520, 260, 129, 64, 17, 3)
 
 def default_config(**overrides) -> DeepseekV4Config:
     """transformers config of the embedded model; keyword arguments override fields."""
-    fields = dict(
-        vocab_size=512, hidden_size=64, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=512,
-        q_lora_rank=64, o_groups=2, o_lora_rank=32, compress_ratios=[0, 4, 128, 4],
-        sliding_window=128, index_n_heads=16, index_head_dim=128, index_topk=16,
-        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
-        max_position_embeddings=1048576, bos_token_id=0, eos_token_id=1, attn_implementation="eager",
-    )
-    fields.update(overrides)
+    fields = {
+        "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 64, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+        "compress_ratios": [0, 4, 128, 4], "sliding_window": 128, "index_n_heads": 16, "index_head_dim": 128,
+        "index_topk": 16, "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
+        "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                            "beta_fast": 32.0, "beta_slow": 1.0},
+        # eager: transformers then always builds a float mask, so its CSA top-k / causal block_bias applies
+        "attn_implementation": "eager",
+    } | overrides
     old = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # small models: HF warns about the YaRN factor
     try:
@@ -84,7 +85,7 @@ def randomize_(model: DeepseekV4ForCausalLM, seed: int = DEFAULT_SEED) -> None:
             t.copy_(picks)
         elif "inv_freq" in leaf:
             continue  # rotary tables: not weights
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        elif name.endswith(("norm.weight", "layernorm.weight")):
             t.copy_(0.7 + 0.6 * torch.rand(t.shape, generator=g))
         elif leaf in ("sinks",):
             t.copy_(torch.randn(t.shape, generator=g))

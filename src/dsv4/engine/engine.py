@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,32 +83,38 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
             () if eos is None else (int(eos),))
         self.max_batch_tokens, self.max_requests = max_batch_tokens, max_requests
-        self._cache_kw = dict(kv_format=kv_format, indexer_format=indexer_format, tokens_per_block=tokens_per_block,
-                              device=self.device, max_batch_tokens=max_batch_tokens)
+        self._cache_kw = {"kv_format": kv_format, "indexer_format": indexer_format,
+                          "tokens_per_block": tokens_per_block, "device": self.device,
+                          "max_batch_tokens": max_batch_tokens}
         self.manager: KVCacheManager | None = None
         if num_blocks is not None or memory_bytes is not None:
             self.manager = KVCacheManager(self.cfg, max_requests=max_requests, num_blocks=num_blocks,
                                           memory_bytes=memory_bytes, **self._cache_kw)
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | None = None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int] = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
         """New token ids per prompt (greedy when temperature is 0; [] for a rejected prompt).
 
-        Generation of a prompt stops after max_new_tokens, at a stop token (default: the model's EOS,
-        included in the output, as transformers does), or at the model's max_position_embeddings.
+        Args:
+            prompts: token ids per request; all are submitted at once and served concurrently.
+            max_new_tokens: one limit for all, or one per prompt.
+            temperature, top_p: sampling (temperature 0 = greedy); seed: per-request generators
+                seeded from (seed, prompt index), so a request's tokens do not depend on its neighbours.
+            stop_token_ids: end a request when it samples one (kept in the output, as transformers
+                does); default the model's EOS ids. A request also ends at max_position_embeddings.
         """
         return self.run(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         seed=seed, stop_token_ids=stop_token_ids).outputs
 
-    def run(self, prompts: list[list[int]], *, max_new_tokens: int = 64, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int = 0, stop_token_ids: list[int] | None = None,
+    def run(self, prompts: list[list[int]], *, max_new_tokens: int | Sequence[int] = 64, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] | None = None,
             progress: bool = False) -> GenerationResult:
         """generate() with statistics and finish reasons; `progress` draws a tqdm bar on stderr."""
-        self._check_prompts(prompts, max_new_tokens)
+        limits = self._check_prompts(prompts, max_new_tokens)
         check_sampling(temperature, top_p)
         stop = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        reqs = [Request(index=i, prompt=list(map(int, p)), max_new_tokens=max_new_tokens,
+        reqs = [Request(index=i, prompt=list(map(int, p)), max_new_tokens=limits[i],
                         max_len=self.cfg.max_position_embeddings,
                         generator=request_generator(seed, i) if temperature > 0 else None)
                 for i, p in enumerate(prompts)]
@@ -181,11 +188,13 @@ class Engine:
         bar.set_postfix(running=len(sched.running), waiting=len(sched.waiting), refresh=False)
 
     # ------------------------------------------------------------------ helpers
-    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens!r}: give a positive integer")
+    def _check_prompts(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int]) -> list[int]:
+        """Validate the call's inputs; returns max_new_tokens per prompt."""
         if not prompts:
             raise InputError("no prompts: give at least one list of token ids")
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts) or not all(isinstance(n, int) and n >= 1 for n in limits):
+            raise InputError(f"max_new_tokens={max_new_tokens!r}: give a positive integer, or one per prompt")
         limit = self.cfg.max_position_embeddings
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -196,6 +205,7 @@ class Engine:
             bad = next((t for t in p if not 0 <= int(t) < self.vocab_size), None)
             if bad is not None:
                 raise InputError(f"prompt {i} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return limits
 
     def _sized_manager(self, reqs: list[Request]) -> KVCacheManager:
         """A cache that holds the `max_requests` largest requests at once (the null block besides)."""

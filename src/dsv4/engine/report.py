@@ -92,11 +92,13 @@ def stats_table(s: RunStats, title: str = "dsv4 run"):
     from rich import box
     from rich.table import Table
 
-    t = Table(title=f"{title}: {s.model} on {s.device} ({s.dtype}), kv {s.kv_format}, indexer {s.indexer_format}",
-              title_justify="left", box=box.SIMPLE_HEAD, show_header=True)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     t.add_column("metric")
     t.add_column("value", justify="right")
     rows = [
+        ("model", s.model),
+        ("device / dtype", f"{s.device} / {s.dtype}"),
+        ("cache formats", f"kv {s.kv_format}, indexer {s.indexer_format}"),
         ("requests", f"{s.requests} ({s.completed} completed, {s.rejected} rejected)"),
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("generated tokens", f"{s.generated_tokens:,}"),

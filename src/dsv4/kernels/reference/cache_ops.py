@@ -79,9 +79,10 @@ def _locate(block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, e
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(request, entry index) -> (physical block, row); invalid ones go to the null block 0."""
     e = entry.clamp(min=0).long()
-    col = (e // epb).clamp(max=block_table.shape[1] - 1)
-    block = block_table[req.long(), col].long()
-    ok = valid & (block >= 0)
+    col = e // epb
+    inside = col < block_table.shape[1]          # past the table: padding, never a live block
+    block = block_table[req.long(), col.clamp(max=block_table.shape[1] - 1)].long()
+    ok = valid & inside & (block >= 0)
     return torch.where(ok, block, torch.zeros_like(block)), torch.where(ok, e % epb, torch.zeros_like(e))
 
 

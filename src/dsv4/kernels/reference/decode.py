@@ -132,6 +132,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ckeys = read_rows(kv_views, kv_fmt, block, w.clamp(min=0) % epb)
         keys = torch.cat([keys, ckeys], 1)
         valid = torch.cat([valid, cvalid], 1)
+    # Masked rows (empty or stale ring rows, the null block) may hold any bytes, NaN included:
+    # p = 0 does not cancel them (0 * NaN = NaN), so they must not reach the einsums.
+    keys = keys.masked_fill(~valid[..., None], 0.0)
     logits = torch.einsum("bhd,bsd->bhs", q, keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sinks.float()[None, :, None]

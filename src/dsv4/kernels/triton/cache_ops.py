@@ -258,7 +258,7 @@ def _append_window_kernel(
     pos = tl.load(pos_ptr + i, mask=is_tok, other=0)
     seq = tl.load(seq_ptr + req, mask=is_tok, other=0)
     slot = tl.load(rslot_ptr + req, mask=is_tok, other=0).to(tl.int64)
-    keep = is_tok & (pos >= seq - W)          # only the last W tokens of a request can stay in the ring
+    keep = is_tok          # only the last W tokens of a request can stay in the ring
     row = pos % W
     row = tl.where(row < 0, row + W, row).to(tl.int64)   # floor modulo, as torch's %
     x_ptr = kv_ptr + i.to(tl.int64) * kv_s0

@@ -58,14 +58,22 @@ def _split(x, PREC: tl.constexpr):
 
 
 @triton.jit
-def _dot(a_hi, a_lo, b, PREC: tl.constexpr):
-    """a @ b with a given as _split(a); b already in the operand type (exact in bf16 unless ieee)."""
+def _dot(a_hi, a_lo, b, PREC: tl.constexpr, NATIVE: tl.constexpr):
+    """a @ b with a given as _split(a); b already in the operand type (exact in bf16 unless ieee).
+
+    NATIVE=False (the CPU interpreter, whose bf16 dot is wrong) runs the same bf16-rounded
+    operands through an fp32 dot."""
     if PREC == 0:
         out = tl.dot(a_hi, b, input_precision="ieee")
-    elif PREC == 1:
+    elif NATIVE:
         out = tl.dot(a_hi, b)
+        if PREC == 2:
+            out += tl.dot(a_lo, b)
     else:
-        out = tl.dot(a_hi, b) + tl.dot(a_lo, b)
+        bf = b.to(tl.float32)
+        out = tl.dot(a_hi.to(tl.float32), bf, input_precision="ieee")
+        if PREC == 2:
+            out += tl.dot(a_lo.to(tl.float32), bf, input_precision="ieee")
     return out
 
 
@@ -93,8 +101,8 @@ def _indexer_scores_kernel(
         q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
         s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
         num_tiles, max_entries, epb, max_blocks, out_scale,
-        FMT: tl.constexpr, PREC: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
-        D: tl.constexpr, D_PAD: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr):
+        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr,
+        BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -126,12 +134,13 @@ def _indexer_scores_kernel(
                     sc = tl.load(sp, mask=v3, other=0.0).to(tl.float32) * 16384.0
                 k_lo = tl.reshape(_e2m1_x2p14(byte & 15) * sc, [BLOCK_N, D // 2]).to(qe_hi.dtype)
                 k_hi = tl.reshape(_e2m1_x2p14(byte >> 4) * sc, [BLOCK_N, D // 2]).to(qe_hi.dtype)
-                s = _dot(qe_hi, qe_lo, tl.trans(k_lo), PREC) + _dot(qo_hi, qo_lo, tl.trans(k_hi), PREC)
+                s = (_dot(qe_hi, qe_lo, tl.trans(k_lo), PREC, NATIVE)
+                     + _dot(qo_hi, qo_lo, tl.trans(k_hi), PREC, NATIVE))
             else:
                 dk = tl.arange(0, D_PAD)[None, :]
                 kp = data_ptr + page[:, None] * s_dp + row[:, None] * s_dr + dk
                 k = tl.load(kp, mask=valid[:, None] & (dk < D), other=0.0).to(tl.float32).to(q_hi.dtype)
-                s = _dot(q_hi, q_lo, tl.trans(k), PREC)
+                s = _dot(q_hi, q_lo, tl.trans(k), PREC, NATIVE)
             if FMT == _FP8 or FMT == _NVFP4:   # per-key fp32 scale
                 s = s * tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)[None, :]
             score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * out_scale
@@ -178,7 +187,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
         tiles, max_entries, epb, block_table.shape[1], dim ** -0.5,
-        FMT=_IDX_FMT[fmt.name], PREC=prec, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim,
+        FMT=_IDX_FMT[fmt.name], PREC=prec, NATIVE=cuda, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim,
         D_PAD=triton.next_power_of_2(dim), GS=16 if fmt.name == "mxfp4" else 8, BLOCK_N=bn, num_warps=num_warps or (8 if heads > 16 else 4))
     return out
 
@@ -208,16 +217,16 @@ def _load_kv(kv_ptr, rope_ptr, sc_ptr, page, row, valid, s_kp, s_kr, s_rp, s_rr,
 
 
 @triton.jit
-def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
     """One key tile of the online softmax (log2 domain). V = K: the same tile feeds both dots."""
-    s = _dot(q_hi, q_lo, tl.trans(k), PREC) * qk_scale
+    s = _dot(q_hi, q_lo, tl.trans(k), PREC, NATIVE) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: keep exp2 finite
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     p_hi, p_lo = _split(p, PREC)
-    acc = acc * alpha[:, None] + _dot(p_hi, p_lo, k, PREC)
+    acc = acc * alpha[:, None] + _dot(p_hi, p_lo, k, PREC, NATIVE)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -231,7 +240,7 @@ def _decode_attn_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
-        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr):
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
     else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
     b = tl.program_id(1)
@@ -256,7 +265,7 @@ def _decode_attn_kernel(
         valid = (wpos >= 0) & (wpos <= t) & (wpos > t - window)
         k = _load_kv(wkv_ptr, wrope_ptr, wsc_ptr, tl.zeros_like(r).to(tl.int64) + slot, r, valid,
                      s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
-        m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC)
+        m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
 
     # compressed entries; compressed tile c belongs to split (n_wt + c) % S (balances the splits)
     if MODE != 0:
@@ -275,7 +284,7 @@ def _decode_attn_kernel(
             page, row = _locate(bt_ptr + b * s_bt, w, valid, epb, max_blocks)
             k = _load_kv(ckv_ptr, crope_ptr, csc_ptr, page, row, valid,
                          s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
-            m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC)
+            m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
 
     if FUSED:   # p = exp(l) / (exp(sink) + sum exp(l)), the sink unscaled
         sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -382,7 +391,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         *_rows(ckv), *_rows(crope), *_rows(csc), bt.stride(0), idx.stride(0),
         ring, window, epb, bt.shape[-1], n_comp, scale * _LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
-        FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, BLOCK_N=bn, FUSED=n_split == 1,
+        FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
         num_warps=num_warps or (8 if nch * bh >= 256 else 4))
     if n_split > 1:
         bhc = min(16, triton.next_power_of_2(heads))

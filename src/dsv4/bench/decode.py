@@ -1,0 +1,208 @@
+"""Decode-step benchmarks: the cache-side ops, the whole layer, and transformers' layer.
+
+For every (context C, batch B), one synthetic cache (`dsv4.bench.setup.build_decode_state`) serves
+both layers and every implementation; per layer:
+
+    op          what is timed (one decode step of B requests, token at position C - 1)
+    append      append_window                                 kv into the window ring
+    flush       compress_decode + write_entries               (CSA: main and indexer compressors)
+    indexer     paged_indexer_scores + topk_smaller_index     CSA only
+    attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
+    cache       the four above in sequence                    "cache-side decode work"
+    layer       AttentionSubBlock.forward                     projections included
+    layer (hf)  transformers DeepseekV4Attention.forward      bf16 eager, synthesised DynamicCache
+
+Inputs the ops take from the projections (kv, c/z, q, indexer q and weights) are made once,
+outside the timing. kv_norm + RoPE of a finished entry sit between compress_decode and
+write_entries in the layer; the flush op writes the raw A/S entry instead (same bytes).
+Repeated calls are valid: they rewrite the same ring row and entry, and keep folding the token
+into finite online-softmax states. Triton work is also timed as CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dsv4.bench.common import LAYER_INDEX, Row
+from dsv4.bench.counts import Geometry, Work, decode_work
+from dsv4.bench.setup import DecodeState, acquire, build_decode_state, cache_bytes
+from dsv4.bench.timing import Timing, free_memory, guarded
+
+if TYPE_CHECKING:
+    import types
+
+    from dsv4.bench.runner import BenchContext
+
+OPS = {"csa": ("append", "flush", "indexer", "attention", "cache"), "hca": ("append", "flush", "attention", "cache")}
+
+
+def run_decode(ctx: BenchContext) -> list[Row]:
+    rows: list[Row] = []
+    for context in ctx.opts.contexts:
+        for batch in ctx.opts.batches:
+            rows += _decode_case(ctx, context, batch)
+    return rows
+
+
+def _impls(ctx: BenchContext) -> list[str]:
+    return list(ctx.ops) + (["hf"] if ctx.opts.hf else [])
+
+
+def _failed(ctx: BenchContext, context: int, batch: int, status: str, reason: str | None) -> list[Row]:
+    rows = []
+    for kind in ctx.opts.layers:
+        for impl in _impls(ctx):
+            for op in (("layer",) if impl == "hf" else OPS[kind] + ("layer",)):
+                rows.append(Row(kind="decode", layer=kind, context=context, batch=batch, op=op, impl=impl,
+                                status=status, reason=reason))
+    ctx.log(f"decode C={context} B={batch}: [red]{status}[/] {reason}")
+    return rows
+
+
+def _decode_case(ctx: BenchContext, context: int, batch: int) -> list[Row]:
+    o = ctx.opts
+    if context > ctx.cfg.max_position_embeddings:
+        return _failed(ctx, context, batch, "skipped", f"context > max_position_embeddings "
+                                                       f"{ctx.cfg.max_position_embeddings}")
+    need = cache_bytes(ctx.cfg, context=context, batch=batch, tokens_per_block=ctx.tokens_per_block,
+                       kv_format=o.kv_format, indexer_format=o.indexer_format)
+    if o.device.type == "cuda":
+        free = torch.cuda.mem_get_info(o.device)[0]
+        if need > 0.85 * free:
+            return _failed(ctx, context, batch, "skipped",
+                           f"the cache needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    status, state, reason = guarded(lambda: build_decode_state(
+        ctx.cfg, context=context, batch=batch, device=o.device, tokens_per_block=ctx.tokens_per_block,
+        kv_format=o.kv_format, indexer_format=o.indexer_format, seed=o.seed))
+    if status != "ok":
+        return _failed(ctx, context, batch, status, f"building the cache state: {reason}")
+    rows: list[Row] = []
+    try:
+        for kind in o.layers:
+            geo = Geometry.of(ctx.cfg, kind, o.kv_format, o.indexer_format)
+            work = decode_work(geo, batch, context, state.batch.seq_len_bound // geo.ratio)
+            for impl, ops in ctx.ops.items():
+                rows += _time_ops(ctx, state, kind, impl, ops, work)
+                rows.append(_time_layer(ctx, state, kind, impl, work["layer"]))
+            if o.hf:
+                rows.append(_time_hf(ctx, state, kind, work["layer"]))
+    finally:
+        del state
+        free_memory()
+    return rows
+
+
+def _row(ctx: BenchContext, state: DecodeState, kind: str, op: str, impl: str, work: Work,
+         result: tuple[str, Timing | None, str | None], note: str | None = None) -> Row:
+    status, timing, reason = result
+    row = Row(kind="decode", layer=kind, context=state.context, batch=state.batch.num_requests, op=op, impl=impl,
+              status=status, reason=reason, bytes=work.total_bytes, flops=work.total_flops,
+              bytes_detail=dict(work.bytes), flops_detail=dict(work.flops), note=note)
+    if timing is not None:
+        row.us, row.mode, row.us_eager = timing.us, timing.mode, timing.us_eager
+        row.note = "; ".join(n for n in (note, timing.note) if n) or None
+        ctx.log(f"decode {kind} C={row.context} B={row.batch} {op:<9} {impl:<9} {timing.us:12.1f} µs ({timing.mode})")
+    else:
+        ctx.log(f"decode {kind} C={row.context} B={row.batch} {op:<9} {impl:<9} [red]{status}[/] {reason}")
+    return row
+
+
+# ------------------------------------------------------------------------------------------ ops
+def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_idx: int
+                ) -> dict[str, Callable[[], Any]]:
+    """The cache-side ops of one decode step of `state` for layer `layer_idx`, as closures."""
+    mgr, b, x = state.mgr, state.batch, state.x
+    sch, st, pool = mgr.schemas[layer_idx], mgr.states[layer_idx], mgr.paged[layer_idx]
+    cfg, dev, n = blk.cfg, x.device, b.num_requests
+    fmt, ratio, epb = sch.kv_format, sch.compress_ratio, sch.entries_per_block
+    gen = torch.Generator(device=dev).manual_seed(1)
+    comp = blk.compressor
+    csa = comp.overlap
+
+    def cz(c_mod: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        c = c_mod.kv_proj(x).float()
+        z = c_mod.gate_proj(x).float() + c_mod.position_bias.float()[(b.positions % c_mod.ratio).long()]
+        return c, z
+
+    kv = torch.randn(n, cfg.head_dim, device=dev, generator=gen).to(x.dtype)
+    q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device=dev, generator=gen)
+    c, z = cz(comp)
+    ereq = torch.arange(n, device=dev)
+    num_entries, max_entries = b.seq_lens // ratio, b.seq_len_bound // ratio
+    fns: dict[str, Callable[[], Any]] = {}
+    fns["append"] = lambda: ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions,
+                                              b.token_request, b.request_slots, b.seq_lens)
+    if csa:
+        idx, ifmt = comp.indexer, sch.indexer_format
+        ci, zi = cz(idx)
+        qi = ifmt.to_stored_basis(torch.randn(n, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
+        g = torch.randn(n, idx.heads, device=dev, generator=gen)
+
+    def flush() -> None:
+        e, ei = ops.compress_decode(c, z, st.comp_state, b.request_slots, b.positions, ratio, csa)
+        ops.write_entries(pool.kv, fmt, e, ereq, ei, b.block_table, epb)
+        if csa:
+            k, ki = ops.compress_decode(ci, zi, st.idx_state, b.request_slots, b.positions, ratio, True)
+            ops.write_entries(pool.indexer, ifmt, k, ereq, ki, b.block_table, epb)
+
+    def indexer() -> torch.Tensor:
+        scores = ops.paged_indexer_scores(qi, g, pool.indexer, ifmt, b.block_table, num_entries, max_entries, epb)
+        return ops.topk_smaller_index(scores, idx.topk)
+
+    def attention(sel: torch.Tensor | None) -> torch.Tensor:
+        return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, cfg.sliding_window,
+                                    pool.kv, b.block_table, epb, sel, None if csa else num_entries, max_entries,
+                                    blk.sinks, cfg.head_dim ** -0.5)
+
+    fns["flush"] = flush
+    selected = None
+    if csa:
+        fns["indexer"] = indexer
+        selected = indexer()     # this backend's own valid top-k, fixed for the attention op
+    fns["attention"] = lambda: attention(selected)
+
+    def cache() -> None:
+        fns["append"]()
+        flush()
+        attention(indexer() if csa else None)
+
+    fns["cache"] = cache
+    return fns
+
+
+def _time_ops(ctx: BenchContext, state: DecodeState, kind: str, impl: str, ops: types.SimpleNamespace,
+              work: dict[str, Work]) -> list[Row]:
+    blk = ctx.blocks[kind]
+    status, fns, reason = guarded(lambda: op_closures(blk, state, ops, LAYER_INDEX[kind]))
+    rows = []
+    for op in OPS[kind]:
+        if status != "ok":
+            rows.append(_row(ctx, state, kind, op, impl, work[op], (status, None, f"setting up the ops: {reason}")))
+            continue
+        fn = fns[op]
+        rows.append(_row(ctx, state, kind, op, impl, work[op],
+                         guarded(lambda fn=fn: ctx.timer.time(fn, graph=impl == "triton"))))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ layers
+def _time_layer(ctx: BenchContext, state: DecodeState, kind: str, impl: str, work: Work) -> Row:
+    blk = ctx.blocks[kind]
+    blk.backend = impl
+    handle = acquire(state.mgr, LAYER_INDEX[kind], state.batch, impl)
+    return _row(ctx, state, kind, "layer", impl, work,
+                guarded(lambda: ctx.timer.time(lambda: blk(state.x, state.batch, handle), graph=impl == "triton")))
+
+
+def _time_hf(ctx: BenchContext, state: DecodeState, kind: str, work: Work) -> Row:
+    def measure() -> Timing:
+        step = ctx.hf_layer(kind).decode_step(state.x, state.context, seed=ctx.opts.seed)
+        return ctx.timer.time(step)
+
+    row = _row(ctx, state, kind, "layer", "hf", work, guarded(measure),
+               note="transformers DeepseekV4Attention, bf16 eager, DynamicCache")
+    free_memory()  # its synthesised cache is as large as ours, in bf16
+    return row

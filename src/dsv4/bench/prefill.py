@@ -1,0 +1,182 @@
+"""Prefill benchmarks: one T-token prompt (32K by default) into an empty cache, per layer.
+
+    op              what is timed (summed over the prompt's chunks of `prefill_chunk` tokens)
+    compress_flush  compress_update + write_entries           (CSA: main and indexer compressors)
+    layer           AttentionSubBlock.forward per chunk       projections included
+    layer (hf)      transformers DeepseekV4Attention.forward  bf16 eager, one shot if it fits,
+                                                              else in chunks (the row's note says)
+
+Each run starts from a fresh request; the host planning between chunks (prepare_forward) is
+outside the timed regions: each chunk's device work is timed with CUDA events and the chunks
+are summed; the median is over runs (Timer.time_regions). The compressor inputs c, z of the
+whole prompt are computed once, outside the timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dsv4.bench.common import LAYER_INDEX, Row
+from dsv4.bench.counts import Geometry, Work, prefill_work
+from dsv4.bench.setup import acquire
+from dsv4.bench.timing import Timing, free_memory, guarded
+from dsv4.cache.manager import KVCacheManager
+from dsv4.cache.schema import block_fill_ratio, blocks_needed, build_schemas
+
+if TYPE_CHECKING:
+    import types
+
+    from dsv4.bench.runner import BenchContext
+
+_RID = "prompt"
+_HF_SMALL_CHUNK = 2048
+
+
+def run_prefill(ctx: BenchContext) -> list[Row]:
+    o = ctx.opts
+    tokens, chunk = o.prefill, min(o.prefill_chunk, o.prefill)
+    chunks = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+    rows: list[Row] = []
+    for kind in o.layers:
+        geo = Geometry.of(ctx.cfg, kind, o.kv_format, o.indexer_format)
+        work = prefill_work(geo, tokens, chunk)
+        status, mgr, reason = guarded(lambda: _manager(ctx, tokens, chunk))
+        gen = torch.Generator(device=o.device).manual_seed(o.seed + 7)
+        x = torch.randn(tokens, ctx.cfg.hidden_size, device=o.device, generator=gen).to(torch.bfloat16)
+        for impl, ops in ctx.ops.items():
+            if status != "ok":
+                for op in ("compress_flush", "layer"):
+                    rows.append(_row(ctx, kind, tokens, op, impl, work[op], (status, None, reason)))
+                continue
+            rows.append(_row(ctx, kind, tokens, "compress_flush", impl, work["compress_flush"],
+                             guarded(lambda ops=ops: _time_compress(ctx, mgr, kind, ops, x, chunks))))
+            rows.append(_row(ctx, kind, tokens, "layer", impl, work["layer"],
+                             guarded(lambda impl=impl: _time_layer(ctx, mgr, kind, impl, x, chunks))))
+        del mgr
+        free_memory()
+        if o.hf:
+            rows.append(_time_hf(ctx, kind, x, chunks, work["layer"]))
+        del x
+        free_memory()
+    return rows
+
+
+def _manager(ctx: BenchContext, tokens: int, chunk: int) -> KVCacheManager:
+    """A manager for one request of `tokens` tokens, planned `chunk` tokens at a time."""
+    o = ctx.opts
+    schemas = build_schemas(ctx.cfg, tokens_per_block=ctx.tokens_per_block, kv_format=o.kv_format,
+                            indexer_format_name=o.indexer_format)
+    need = blocks_needed(tokens, ctx.tokens_per_block, block_fill_ratio(schemas))
+    return KVCacheManager(ctx.cfg, max_requests=1, num_blocks=need + 1, device=o.device, kv_format=o.kv_format,
+                          indexer_format=o.indexer_format, tokens_per_block=ctx.tokens_per_block,
+                          max_batch_tokens=chunk)
+
+
+def _row(ctx: BenchContext, kind: str, tokens: int, op: str, impl: str, work: Work,
+         result: tuple[str, Timing | None, str | None], note: str | None = None) -> Row:
+    status, timing, reason = result
+    row = Row(kind="prefill", layer=kind, context=tokens, batch=1, op=op, impl=impl, status=status, reason=reason,
+              bytes=work.total_bytes, flops=work.total_flops, bytes_detail=dict(work.bytes),
+              flops_detail=dict(work.flops), note=note)
+    if timing is not None:
+        row.us, row.mode = timing.us, timing.mode
+        row.note = "; ".join(n for n in (note, timing.note) if n) or None
+        ctx.log(f"prefill {kind} T={tokens} {op:<14} {impl:<9} {timing.us:12.1f} µs ({timing.mode})")
+    else:
+        ctx.log(f"prefill {kind} T={tokens} {op:<14} {impl:<9} [red]{status}[/] {reason}")
+    return row
+
+
+def _plan(mgr: KVCacheManager, n: int) -> Any:
+    batch = mgr.prepare_forward({_RID: n})
+    if mgr.device.type == "cuda":
+        torch.cuda.synchronize(mgr.device)   # the next prepare_forward reuses the pinned host buffers
+    return batch
+
+
+def _fresh(mgr: KVCacheManager) -> None:
+    if _RID in mgr.requests:
+        mgr.free_request(_RID)
+    mgr.add_request(_RID)
+
+
+def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types.SimpleNamespace,
+                   x: torch.Tensor, chunks: list[int]) -> Timing:
+    li = LAYER_INDEX[kind]
+    comp = ctx.blocks[kind].compressor
+    sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+    pos = torch.arange(x.shape[0], device=x.device)
+    compress = getattr(ops, "compress_update", None)
+    note = None
+    if compress is None:  # an older namespace without the prefill compressor: the reference one
+        from dsv4.kernels.reference.compress import compress_update as compress
+        note = "compress_update: reference (not in this backend)"
+
+    parts = [(comp, st.comp_state, pool.kv, sch.kv_format)]
+    if comp.overlap:
+        parts.append((comp.indexer, st.idx_state, pool.indexer, sch.indexer_format))
+    inputs = [(m.kv_proj(x).float(), m.gate_proj(x).float() + m.position_bias.float()[pos % m.ratio], m, s, v, f)
+              for m, s, v, f in parts]
+
+    def run(region: Callable[[Callable[[], Any]], None]) -> None:
+        _fresh(mgr)
+        t0 = 0
+        for n in chunks:
+            b = _plan(mgr, n)
+
+            def work(t0: int = t0, n: int = n, b: Any = b) -> None:
+                for c, z, m, state, views, fmt in inputs:
+                    e, er, ei = compress(c[t0:t0 + n], z[t0:t0 + n], state, b.request_slots,
+                                         b.start_positions_host, b.query_lens_host, m.ratio, m.overlap)
+                    ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
+
+            region(work)
+            t0 += n
+
+    timing = ctx.timer.time_regions(run)
+    timing.note = note
+    return timing
+
+
+def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,
+                chunks: list[int]) -> Timing:
+    li, blk = LAYER_INDEX[kind], ctx.blocks[kind]
+    blk.backend = impl
+
+    def run(region: Callable[[Callable[[], Any]], None]) -> None:
+        _fresh(mgr)
+        t0 = 0
+        for n in chunks:
+            b = _plan(mgr, n)
+            h = acquire(mgr, li, b, impl)
+            xs = x[t0:t0 + n]
+            region(lambda xs=xs, b=b, h=h: blk(xs, b, h))
+            t0 += n
+
+    return ctx.timer.time_regions(run)
+
+
+def _time_hf(ctx: BenchContext, kind: str, x: torch.Tensor, chunks: list[int], work: Work) -> Row:
+    """One shot first (what a user of transformers runs); if that fails, the bench's chunks, then 2K."""
+    tokens = x.shape[0]
+    tries = [[tokens], chunks]
+    if max(chunks) > _HF_SMALL_CHUNK:
+        tries.append([_HF_SMALL_CHUNK] * (tokens // _HF_SMALL_CHUNK)
+                     + ([tokens % _HF_SMALL_CHUNK] if tokens % _HF_SMALL_CHUNK else []))
+    failures: list[str] = []
+    result: tuple[str, Timing | None, str | None] = ("error", None, "no attempt")
+    for tr in dict.fromkeys(tuple(t) for t in tries):          # distinct, in order
+        label = "one shot" if len(tr) == 1 else f"chunks of {tr[0]}"
+        result = guarded(lambda tr=tr: ctx.timer.time_regions(ctx.hf_layer(kind).prefill_run(x, list(tr))))
+        free_memory()
+        if result[0] == "ok":
+            note = "; ".join([*failures, f"{label}: ok"])
+            return _row(ctx, kind, tokens, "layer", "hf", work, result, note=note)
+        failures.append(f"{label}: {result[0]}")
+        if result[0] != "oom":
+            break
+    status, _, reason = result
+    return _row(ctx, kind, tokens, "layer", "hf", work, (status, None, "; ".join(failures) + f" ({reason})"))
