@@ -119,6 +119,12 @@ def _ue8m0_decode(b: torch.Tensor) -> torch.Tensor:
     return _pow2(b.to(torch.int32) - 127)
 
 
+def _div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c, correctly rounded on every device. (`a / c` with a Python scalar runs as
+    a * (1/c) on CUDA, which is off by one ulp for about half of all a.)"""
+    return a / torch.full_like(a, c)
+
+
 def _bytes_as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, C * itemsize] uint8 (possibly a strided page view) -> [N, C] of `dtype`."""
     return b.contiguous().view(dtype)
@@ -206,7 +212,7 @@ def fp8_encode(x: torch.Tensor, rope_dim: int = 0) -> tuple[torch.Tensor, torch.
         scale: [N, 4] uint8 = the fp32 scale max(amax, 1e-4) / 448 as bytes.
     """
     x = x.float()
-    scale = _finite_amax(x).clamp_min(AMAX_FLOOR) / E4M3_MAX                  # [N]
+    scale = _div(_finite_amax(x).clamp_min(AMAX_FLOOR), E4M3_MAX)             # [N]
     data = _e4m3_bytes(_no_nan(x) / scale.unsqueeze(-1))
     return data, _as_bytes(scale.unsqueeze(-1))
 
@@ -264,7 +270,7 @@ def nvfp4_encode(x: torch.Tensor, rope_dim: int = 0) -> tuple[torch.Tensor, torc
     x = x.float()
     n, d = x.shape
     grp = _no_nan(x).view(n, d // 16, 16)
-    g = _finite_amax(x).clamp_min(AMAX_FLOOR) / (E4M3_MAX * E2M1_MAX)             # [N]
+    g = _div(_finite_amax(x).clamp_min(AMAX_FLOOR), E4M3_MAX * E2M1_MAX)          # [N]
     s = _e4m3_bytes(_finite_amax(grp) / (E2M1_MAX * g).unsqueeze(-1))             # [N, D/16]
     s = torch.where(s == 0, torch.tensor(1, dtype=torch.uint8, device=x.device), s)  # 0x01 = 2^-9
     codes = _e2m1_codes(grp / _nvfp4_group_scale(s, g)).view(n, d)

@@ -43,9 +43,15 @@ _WRITE_WARPS = 2  # a row is 0.1-2 KB: one or two warps of 16-byte stores cover 
 
 # ====================================================================== bit-level conversions
 @triton.jit
+def _is_nan(x):
+    """fp32 NaN test on the bit pattern (exponent all ones, mantissa not zero)."""
+    return (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+
+
+@triton.jit
 def _no_nan(x):
     """x with NaN replaced by +0 (the reference's `_no_nan`)."""
-    return tl.where(x != x, 0.0, x)
+    return tl.where(_is_nan(x), 0.0, x)
 
 
 @triton.jit
@@ -106,7 +112,7 @@ def _bf16_bits(x):
     bits = x.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     r = ((mag + 0x7FFF + ((mag >> 16) & 1)) >> 16) | ((bits >> 16) & 0x8000)
-    return tl.where(x != x, 0x7FC0, r)
+    return tl.where(_is_nan(x), 0x7FC0, r)
 
 
 @triton.jit
@@ -258,7 +264,7 @@ def _append_window_kernel(
     pos = tl.load(pos_ptr + i, mask=is_tok, other=0)
     seq = tl.load(seq_ptr + req, mask=is_tok, other=0)
     slot = tl.load(rslot_ptr + req, mask=is_tok, other=0).to(tl.int64)
-    keep = is_tok          # only the last W tokens of a request can stay in the ring
+    keep = is_tok & (pos >= seq - W)          # only the last W tokens of a request can stay in the ring
     row = pos % W
     row = tl.where(row < 0, row + W, row).to(tl.int64)   # floor modulo, as torch's %
     x_ptr = kv_ptr + i.to(tl.int64) * kv_s0
@@ -277,14 +283,15 @@ def _write_entries_kernel(
         r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1,
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
         SB: tl.constexpr, SB_P2: tl.constexpr):
-    """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)."""
+    """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
+    (the reference's `_locate`)."""
     i = tl.program_id(0)
     req = tl.load(ereq_ptr + i).to(tl.int64)
     idx = tl.load(eidx_ptr + i).to(tl.int64)
     e = tl.maximum(idx, 0)
-    col = tl.minimum(e // epb, bt_cols - 1)
-    block = tl.load(bt_ptr + req * bt_s0 + col * bt_s1).to(tl.int64)
-    ok = (idx >= 0) & (block >= 0)
+    col = e // epb
+    block = tl.load(bt_ptr + req * bt_s0 + tl.minimum(col, bt_cols - 1) * bt_s1).to(tl.int64)
+    ok = (idx >= 0) & (col < bt_cols) & (block >= 0)           # past the table: padding as well
     page = tl.where(ok, block, 0)
     row = tl.where(ok, e % epb, 0)
     _encode_row(x_ptr + i.to(tl.int64) * x_s0, x_s1, r0 + page * r0_s0 + row * r0_s1,
@@ -351,8 +358,8 @@ def _format_meta(fmt: EntryFormat) -> dict[str, int]:
     if fmt.name not in _FORMAT_ID:
         raise FormatError(f"the Triton cache writes do not know format {fmt.name!r}")
     sb = fmt.regions[1].bytes_per_entry if fmt.name == "fp8_ds" else 0
-    return dict(FMT=_FORMAT_ID[fmt.name], D=fmt.dim, D_P2=_p2(fmt.dim), ROPE=fmt.rope_dim,
-                ROPE_P2=_p2(fmt.rope_dim), SB=sb, SB_P2=_p2(sb))
+    return {"FMT": _FORMAT_ID[fmt.name], "D": fmt.dim, "D_P2": _p2(fmt.dim), "ROPE": fmt.rope_dim,
+            "ROPE_P2": _p2(fmt.rope_dim), "SB": sb, "SB_P2": _p2(sb)}
 
 
 def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:
@@ -391,6 +398,8 @@ def append_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, swa_head:
     t, b = kv.shape[0], seq_lens.shape[0]
     if max(t, b) == 0:
         return
+    if fmt.hadamard:  # window rings hold main formats; kept for parity with the reference's encode
+        kv = quant.hadamard_rotate(kv.float())
     w = swa_pos.shape[1]
     regions = _region_args(swa, fmt, 3)
     _append_window_kernel[(max(t, b),)](
@@ -404,7 +413,7 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
     """Quantise finished entries and scatter them into their blocks (reference twin).
 
         entry w of request r -> block block_table[r, w // epb], row w % epb
-        w < 0 or block < 0   -> null block 0, row 0 (padding; never read)
+        w < 0, w // epb past the table, or block < 0 -> null block 0, row 0 (padding; never read)
 
     Args:
         views: pool region views {name: [N, epb, bytes] uint8}.
@@ -450,4 +459,4 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     return entries, entry_index
 
 
-__all__ = ["append_window", "write_entries", "compress_decode"]
+__all__ = ["append_window", "compress_decode", "write_entries"]

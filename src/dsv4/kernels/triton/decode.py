@@ -209,8 +209,11 @@ def _load_kv(kv_ptr, rope_ptr, sc_ptr, page, row, valid, s_kp, s_kr, s_rp, s_rr,
         x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < NOPE), other=0.0).to(tl.float32)
         sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0).to(tl.int32)
         x = x * (sb << 23).to(tl.float32, bitcast=True)          # UE8M0: 2^(byte - 127), exact
-        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + (d - NOPE), mask=v3 & (d >= NOPE) & (d < D), other=0.0)
-        x = tl.where(d < NOPE, x, rope.to(tl.float32))
+        # the rope part (<= 64 channels) is one chunk, loaded as [rows, 1, 64] and broadcast into
+        # chunk NOPE // 64: a full-tile pointer tensor for it would cost registers for nothing
+        j = tl.arange(0, 64)[None, None, :]
+        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + j, mask=v3 & (j < D - NOPE), other=0.0)
+        x = tl.where(c < NOPE // 64, x, tl.where(c == NOPE // 64, rope.to(tl.float32), 0.0))
     else:
         x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0).to(tl.float32)
     return tl.reshape(x, [BLOCK_N, NCH * 64])
@@ -347,6 +350,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     """
     if kv_fmt.name not in _MAIN_FMT:
         raise FormatError(f"decode_attention reads main-entry formats {tuple(_MAIN_FMT)}, got {kv_fmt.name!r}")
+    if kv_fmt.name == "fp8_ds" and kv_fmt.rope_dim > 64:
+        raise FormatError(f"decode_attention reads fp8_ds entries with rope_dim <= 64, got {kv_fmt.rope_dim}")
     mode = 0 if indices is None and num_entries is None else (1 if indices is not None else 2)
     if mode and (kv_views is None or block_table is None):
         raise InputError("compressed keys (indices or num_entries) need kv_views and block_table")
@@ -392,7 +397,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ring, window, epb, bt.shape[-1], n_comp, scale * _LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
-        num_warps=num_warps or (8 if nch * bh >= 256 else 4))
+        num_warps=num_warps or (8 if nch >= 8 else 4))
     if n_split > 1:
         bhc = min(16, triton.next_power_of_2(heads))
         _combine_kernel[(bsz, triton.cdiv(heads, bhc))](
