@@ -11,7 +11,6 @@ outputs [S, hidden] in position order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -53,7 +52,6 @@ def run_dsv4(
     num_blocks: int = 64,
     max_requests: int = 4,
     capture_topk: bool = False,
-    on_step: Callable[[KVCacheManager, dict[str, int]], None] | None = None,
 ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run `schedule` through one layer; returns {rid: out [S, hidden]} (and {rid: top-k [S, k]}).
 
@@ -61,7 +59,6 @@ def run_dsv4(
     capture_topk: CSA only: also return what `blk.compressor.indexer.select` picked per token
       ([S, index_topk] int64, -1 padded, the library's order; -2 rows: tokens of all-decode steps,
       whose fast path selects without calling select()).
-    on_step: called as on_step(mgr, step) after every forward (e.g. to free a finished request).
     """
     if blk is None:
         blk = make_block(cfg, layer, weights)
@@ -88,7 +85,9 @@ def run_dsv4(
             return out
 
         indexer.select = _select
-        restore = lambda: delattr(indexer, "select")  # noqa: E731 (drop the instance attribute)
+
+        def restore():  # drop the instance attribute: the class method shows through again
+            delattr(indexer, "select")
 
     done = {rid: 0 for rid in requests}
     outs: dict[str, list[torch.Tensor]] = {rid: [] for rid in requests}
@@ -116,8 +115,6 @@ def run_dsv4(
                         tops[rid].append(sel[t0:t0 + n])
                     done[rid] += n
                     t0 += n
-                if on_step is not None:
-                    on_step(mgr, step)
     finally:
         if restore is not None:
             restore()
