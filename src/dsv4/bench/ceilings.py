@@ -40,16 +40,21 @@ def measure_ceilings(opts: BenchOptions) -> Ceilings:
     nbytes = (256 if opts.quick else 2048) * 2**20
     n = 2048 if opts.quick else 8192
     gen = torch.Generator(device=opts.device).manual_seed(opts.seed)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=opts.device, generator=gen)
-    dst = torch.empty_like(src)
-    copy_us = timer.time(lambda: dst.copy_(src)).us
-    del src, dst
-    a = torch.randn(n, n, device=opts.device, dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(n, n, device=opts.device, dtype=torch.bfloat16, generator=gen)
-    out = torch.empty(n, n, device=opts.device, dtype=torch.bfloat16)
-    mm_us = timer.time(lambda: torch.matmul(a, b, out=out)).us
-    del a, b, out
+    copy_us, mm_us = _time_copy(timer, opts.device, nbytes, gen), _time_matmul(timer, opts.device, n, gen)
     torch.cuda.empty_cache()
     return Ceilings(copy_gbps=2 * nbytes / copy_us / 1e3, mma_tflops=2 * n**3 / mm_us / 1e6,
                     copy_bytes=2 * nbytes, copy_us=copy_us, matmul_n=n, matmul_us=mm_us,
                     note=f"{torch.cuda.get_device_name(opts.device)}; medians of triton.testing.do_bench")
+
+
+def _time_copy(timer: Timer, device: torch.device, nbytes: int, gen: torch.Generator) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
+    dst = torch.empty_like(src)
+    return timer.time(lambda: dst.copy_(src)).us
+
+
+def _time_matmul(timer: Timer, device: torch.device, n: int, gen: torch.Generator) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)   # never zeros: see METHOD
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    return timer.time(lambda: torch.matmul(a, b, out=out)).us

@@ -96,6 +96,10 @@ def bench_config(quick: bool) -> tuple[DSV4Config, int]:
     return cfg, 32
 
 
+class Unavailable(RuntimeError):
+    """A case cannot run here (a missing package or model class): its rows become "skipped"."""
+
+
 def short_reason(exc: BaseException, limit: int = 160) -> str:
     """One line naming the exception, for a row's `reason`."""
     text = " ".join(str(exc).split()) or type(exc).__name__

@@ -166,7 +166,7 @@ def decode_work(g: Geometry, batch: int, context: int, score_width: int) -> dict
 # ---------------------------------------------------------------------------------------- prefill
 def prefill_work(g: Geometry, tokens: int, chunk: int) -> dict[str, Work]:
     """Work of a `tokens`-token prefill from an empty cache, in chunks of `chunk` (module docstring)."""
-    t_all, d, e = tokens, g.head_dim, g.entry_bytes
+    t_all, e = tokens, g.entry_bytes
     n_chunks = -(-t_all // chunk)
     cf = Work()
     for name, dim, width, pend, eb in g.compressors():

@@ -13,8 +13,10 @@ both layers and every implementation; per layer:
     layer (hf)  transformers DeepseekV4Attention.forward      bf16 eager, synthesised DynamicCache
 
 Inputs the ops take from the projections (kv, c/z, q, indexer q and weights) are made once,
-outside the timing. kv_norm + RoPE of a finished entry sit between compress_decode and
-write_entries in the layer; the flush op writes the raw A/S entry instead (same bytes).
+outside the timing; the attention op reads a random valid selection of min(k, N_I) entries
+(the cache op uses the indexer's own). kv_norm + RoPE of a finished entry sit between
+compress_decode and write_entries in the layer; the flush op writes the raw A/S entry instead
+(same bytes).
 Repeated calls are valid: they rewrite the same ring row and entry, and keep folding the token
 into finite online-softmax states. Triton work is also timed as CUDA-graph replays.
 """
@@ -161,7 +163,7 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     selected = None
     if csa:
         fns["indexer"] = indexer
-        selected = indexer()     # this backend's own valid top-k, fixed for the attention op
+        selected = random_selection(n, state.context // ratio, idx.topk, dev, gen)
     fns["attention"] = lambda: attention(selected)
 
     def cache() -> None:
@@ -171,6 +173,15 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
 
     fns["cache"] = cache
     return fns
+
+
+def random_selection(batch: int, entries: int, k: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """[batch, k] int64: min(k, entries) distinct visible entries per request in random order, -1 padded
+    (a valid top-k for the attention op, independent of any indexer implementation)."""
+    kk = min(k, entries)
+    sel = torch.rand(batch, entries, device=device, generator=gen).topk(kk, dim=1).indices
+    pad = torch.full((batch, k - kk), -1, dtype=sel.dtype, device=device)
+    return torch.cat([sel, pad], dim=1)
 
 
 def _time_ops(ctx: BenchContext, state: DecodeState, kind: str, impl: str, ops: types.SimpleNamespace,

@@ -41,26 +41,31 @@ def run_prefill(ctx: BenchContext) -> list[Row]:
     chunks = [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
     rows: list[Row] = []
     for kind in o.layers:
-        geo = Geometry.of(ctx.cfg, kind, o.kv_format, o.indexer_format)
-        work = prefill_work(geo, tokens, chunk)
-        status, mgr, reason = guarded(lambda: _manager(ctx, tokens, chunk))
-        gen = torch.Generator(device=o.device).manual_seed(o.seed + 7)
-        x = torch.randn(tokens, ctx.cfg.hidden_size, device=o.device, generator=gen).to(torch.bfloat16)
-        for impl, ops in ctx.ops.items():
-            if status != "ok":
-                for op in ("compress_flush", "layer"):
-                    rows.append(_row(ctx, kind, tokens, op, impl, work[op], (status, None, reason)))
-                continue
-            rows.append(_row(ctx, kind, tokens, "compress_flush", impl, work["compress_flush"],
-                             guarded(lambda ops=ops: _time_compress(ctx, mgr, kind, ops, x, chunks))))
-            rows.append(_row(ctx, kind, tokens, "layer", impl, work["layer"],
-                             guarded(lambda impl=impl: _time_layer(ctx, mgr, kind, impl, x, chunks))))
-        del mgr
+        rows += _prefill_layer(ctx, kind, tokens, chunks)
         free_memory()
-        if o.hf:
-            rows.append(_time_hf(ctx, kind, x, chunks, work["layer"]))
-        del x
-        free_memory()
+    return rows
+
+
+def _prefill_layer(ctx: BenchContext, kind: str, tokens: int, chunks: list[int]) -> list[Row]:
+    o = ctx.opts
+    work = prefill_work(Geometry.of(ctx.cfg, kind, o.kv_format, o.indexer_format), tokens, chunks[0])
+    gen = torch.Generator(device=o.device).manual_seed(o.seed + 7)
+    x = torch.randn(tokens, ctx.cfg.hidden_size, device=o.device, generator=gen).to(torch.bfloat16)
+    rows: list[Row] = []
+    status, mgr, reason = guarded(lambda: _manager(ctx, tokens, chunks[0]))
+    for impl, ops in ctx.ops.items():
+        if status != "ok":
+            for op in ("compress_flush", "layer"):
+                rows.append(_row(ctx, kind, tokens, op, impl, work[op], (status, None, reason)))
+            continue
+        rows.append(_row(ctx, kind, tokens, "compress_flush", impl, work["compress_flush"],
+                         guarded(lambda ops=ops: _time_compress(ctx, mgr, kind, ops, x, chunks))))
+        rows.append(_row(ctx, kind, tokens, "layer", impl, work["layer"],
+                         guarded(lambda impl=impl: _time_layer(ctx, mgr, kind, impl, x, chunks))))
+    mgr = None                                  # its pages go before transformers' run
+    free_memory()
+    if o.hf:
+        rows.append(_time_hf(ctx, kind, x, chunks, work["layer"]))
     return rows
 
 

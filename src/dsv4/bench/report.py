@@ -136,6 +136,11 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _rate(x: float | None) -> str:
+    """GB/s: thousands separators on a GPU, significant digits for the tiny CPU smoke numbers."""
+    return "-" if x is None else format(x, ",.0f" if x >= 100 else ".3g")
+
+
 def print_report(result: Any) -> None:
     from rich import box
     from rich.console import Console
@@ -149,8 +154,8 @@ def print_report(result: Any) -> None:
     groups = [("decode: whole attention layer", lambda r: r.kind == "decode" and r.op == "layer"),
               ("decode: cache-side ops", lambda r: r.kind == "decode" and r.op != "layer"),
               ("prefill", lambda r: r.kind == "prefill")]
-    cols = ("layer", "context", "batch", "op", "impl", "mode", "µs", "GB moved", "GFLOP", "GB/s", "% BW", "% MMA",
-            "% roof", "× vs ref", "× vs HF")
+    cols = ("layer", "context", "batch", "op", "impl", "mode", "µs", "µs eager", "GB moved", "GFLOP", "GB/s", "% BW",
+            "% MMA", "% roof", "× vs ref", "× vs HF")
     for title, pick in groups:
         rows = [r for r in result.rows if pick(r)]
         if not rows:
@@ -161,8 +166,8 @@ def print_report(result: Any) -> None:
         for r in rows:
             ok = r.status == "ok"
             t.add_row(r.layer.upper(), _ctx(r.context), str(r.batch), r.op, r.impl, r.mode or "",
-                      _num(r.us, ",.1f") if ok else f"[red]{r.status.upper()}[/]",
-                      _num(r.bytes / 1e9, ".4g"), _num(r.flops / 1e9, ".4g"), _num(r.gbps, ",.0f"),
+                      _num(r.us, ",.1f") if ok else f"[red]{r.status.upper()}[/]", _num(r.us_eager, ",.1f"),
+                      _num(r.bytes / 1e9, ".4g"), _num(r.flops / 1e9, ".4g"), _rate(r.gbps),
                       _num(r.pct_bw, ".1f"), _num(r.pct_mma, ".1f"), _num(r.pct_roofline, ".1f"),
                       _num(r.x_vs_reference, ".1f"), _num(r.x_vs_hf, ".1f"))
         console.print(t)
@@ -175,9 +180,16 @@ def print_report(result: Any) -> None:
                       + (f" ({tg['note']})" if tg["note"] else ""))
     for s in result.skipped:
         console.print(f"[yellow]skipped[/] {s['what']}: {s['reason']}")
-    failed = [r for r in result.rows if r.status not in ("ok",)]
+    failed: dict[tuple[str, str], int] = {}
+    for r in result.rows:
+        if r.status != "ok":
+            k = (r.status, f"{r.impl} {r.op}: {r.reason}")
+            failed[k] = failed.get(k, 0) + 1
     if failed:
-        console.print(f"{len(failed)} case(s) not measured (status and reason per row in the JSON)")
+        n = sum(failed.values())
+        console.print(f"{n} case(s) not measured (each row's status and reason are in the JSON):")
+        for (status, why), count in list(failed.items())[:12]:
+            console.print(f"  {status.upper()} x{count}: {why}")
 
 
 # ------------------------------------------------------------------------------------------ chart
@@ -195,24 +207,30 @@ def plot(result: Any, path: str) -> None:
     rows = [r for r in result.rows if r.status == "ok" and r.us]
     fig = Figure(figsize=(13, 9), layout="constrained")
     axes = fig.subplots(2, 2)
-    markers = {"triton": "o", "reference": "s", "hf": "^"}
+    color = {"triton": "C0", "reference": "C1", "hf": "C3"}     # colour: implementation
+    styles = ("-", "--", ":", "-.")                                # line style: batch size
+    batch_style = {b: styles[i % len(styles)] for i, b in enumerate(result.opts.batches)}
     for ax, layer in zip(axes[0], ("csa", "hca")):
         for impl in ("triton", "reference", "hf"):
             for b in result.opts.batches:
                 pts = sorted((r.context, r.us) for r in rows if r.kind == "decode" and r.op == "layer"
                              and r.layer == layer and r.impl == impl and r.batch == b)
                 if pts:
-                    ax.plot(*zip(*pts), marker=markers[impl], label=f"{impl} B={b}")
+                    ax.plot(*zip(*pts), batch_style[b], color=color[impl], marker="o", label=f"{impl} B={b}")
         _axes(ax, f"{layer.upper()} layer decode (projections included)", "µs (median)", result.opts.contexts)
     ax = axes[1][0]
-    for layer, style in (("csa", "-"), ("hca", "--")):
+    for layer, marker in (("csa", "o"), ("hca", "s")):
         for impl in ("triton", "reference"):
             for b in result.opts.batches:
                 pts = sorted((r.context, r.pct_roofline) for r in rows if r.kind == "decode" and r.op == "cache"
                              and r.layer == layer and r.impl == impl and r.batch == b and r.pct_roofline)
                 if pts:
-                    ax.plot(*zip(*pts), style, marker=markers[impl], label=f"{layer.upper()} {impl} B={b}")
+                    ax.plot(*zip(*pts), batch_style[b], color=color[impl], marker=marker,
+                            label=f"{layer.upper()} {impl} B={b}")
     ax.axhline(70, color="gray", lw=0.8, ls=":")
+    if not ax.get_legend_handles_labels()[0]:
+        ax.text(0.5, 0.5, "no % of roofline: the ceilings are measured on CUDA only", ha="center",
+                va="center", transform=ax.transAxes, color="gray")
     _axes(ax, "cache-side decode work: % of roofline (target 70%)", "% of roofline", result.opts.contexts,
           logy=False)
     ax = axes[1][1]

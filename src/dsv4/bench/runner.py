@@ -24,7 +24,7 @@ import torch
 
 from dsv4.attention import AttentionSubBlock
 from dsv4.bench.ceilings import Ceilings, measure_ceilings
-from dsv4.bench.common import LAYER_INDEX, BenchOptions, Row, bench_config, short_reason
+from dsv4.bench.common import LAYER_INDEX, BenchOptions, Row, Unavailable, bench_config, short_reason
 from dsv4.bench.setup import make_block
 from dsv4.bench.timing import Timer
 from dsv4.model.config import DSV4Config
@@ -41,6 +41,7 @@ class BenchContext:
     blocks: dict[str, AttentionSubBlock] = field(default_factory=dict)
     skipped: list[dict[str, str]] = field(default_factory=list)
     _hf: dict[str, Any] = field(default_factory=dict)
+    _hf_failure: dict[str, str] = field(default_factory=dict)
 
     def hf_layer(self, kind: str) -> Any:
         """The transformers layer for `kind` (built on first use); raises if it cannot be built."""
@@ -48,13 +49,14 @@ class BenchContext:
             from dsv4.bench.hf import HFLayer
             try:
                 self._hf[kind] = HFLayer(self.cfg, self.blocks[kind])
-            except Exception as e:  # noqa: BLE001 - kept and re-raised for every case that asks
-                self._hf[kind] = e
-                self.skip(f"transformers {kind} layer", short_reason(e))
-        got = self._hf[kind]
-        if isinstance(got, Exception):
-            raise RuntimeError(f"transformers layer unavailable: {short_reason(got)}")
-        return got
+            except Exception as e:  # noqa: BLE001 - remembered, and reported by every case that asks
+                self._hf[kind] = None
+                self._hf_failure[kind] = short_reason(e)
+                self.skip(f"transformers {kind} layer", self._hf_failure[kind])
+        layer = self._hf[kind]
+        if layer is None:
+            raise Unavailable(f"transformers layer unavailable: {self._hf_failure[kind]}")
+        return layer
 
     def skip(self, what: str, reason: str) -> None:
         self.skipped.append({"what": what, "reason": reason})

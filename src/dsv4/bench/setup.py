@@ -110,7 +110,7 @@ def fill_pages(views: dict[str, torch.Tensor], fmt: EntryFormat, gen: torch.Gene
     parts = fmt.encode(torch.randn(pat_blocks * per_page, fmt.dim, device=dev, generator=gen))
     reps = max(1, min(n_blocks // pat_blocks, 16))   # fewer, larger copies
     for name, v in views.items():
-        pat = parts[name].view(pat_blocks, per_page, -1).repeat(reps, 1, 1)
+        pat = parts[name].reshape(pat_blocks, per_page, -1).repeat(reps, 1, 1)
         for s in range(0, n_blocks, pat.shape[0]):
             e = min(n_blocks, s + pat.shape[0])
             v[s:e].copy_(pat[: e - s])
@@ -122,7 +122,7 @@ def fill_state(st: StateCachePool, sch: LayerCacheSchema, slots: torch.Tensor, t
     b, w, dev = slots.shape[0], sch.window, slots.device
     parts = sch.kv_format.encode(torch.randn(b * w, sch.head_dim, device=dev, generator=gen))
     for name, v in st.swa.items():
-        v[slots] = parts[name].view(b, w, -1)
+        v[slots] = parts[name].reshape(b, w, -1)
     pos = torch.arange(t - w, t, device=dev)
     pos = pos[pos >= 0]
     st.swa_pos[slots] = -1

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.common import BenchOptions, short_reason
+from dsv4.bench.common import BenchOptions, Unavailable, short_reason
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,20 +36,25 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
-def free_memory() -> None:
-    gc.collect()
+def free_memory(collect: bool = False) -> None:
+    """Return cached CUDA blocks to the driver; collect=True first breaks reference cycles (slow with
+    transformers imported: only after a failure, whose traceback may hold tensors)."""
+    if collect:
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def guarded(fn: Callable[[], Any]) -> tuple[str, Any, str | None]:
-    """Run fn() -> ("ok", result, None) | ("oom", None, reason) | ("error", None, reason). Never raises
+    """Run fn() -> ("ok", result, None) | ("oom" | "skipped" | "error", None, reason). Never raises
     (KeyboardInterrupt excepted): one case failing must not end the run."""
     try:
         return "ok", fn(), None
+    except Unavailable as e:
+        return "skipped", None, str(e)
     except Exception as e:  # noqa: BLE001 - every failure becomes a row status
         status, reason = ("oom" if is_oom(e) else "error"), short_reason(e)
-    free_memory()  # after the except block: the traceback's frames (and their tensors) are gone
+    free_memory(collect=True)  # after the except block: the traceback's frames (and tensors) are gone
     return status, None, reason
 
 
@@ -77,7 +82,7 @@ class Timer:
         try:
             g = _capture(fn)
         except Exception as e:  # noqa: BLE001 - capture is an optimisation: report and go on
-            free_memory()
+            free_memory(collect=True)
             return Timing(us=eager, mode="eager", note=f"graph capture failed: {short_reason(e, 100)}")
         try:
             return Timing(us=self._do_bench(g.replay), mode="graph", us_eager=eager)

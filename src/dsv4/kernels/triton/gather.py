@@ -46,8 +46,12 @@ def _read_fp8_ds_kernel(kv_ptr, scale_ptr, page_ptr, slot_ptr, out_ptr, n_rows,
 
 
 def read_rows(views: Views, fmt: EntryFormat, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Decode the rows at (pages, slots) -> float32 [*S, D]. fp8_ds in Triton; bf16/fp32 are plain
-    typed gathers (no arithmetic to fuse)."""
+    """Decode the rows at (pages, slots) -> float32 [*S, D].
+
+    fp8_ds is a Triton kernel; bf16/fp32 are plain typed gathers (no arithmetic to fuse). Indexer
+    formats (mxfp4, fp8, nvfp4) decode with the reference codec: prefill reads them once per
+    chunk, while the hot decode scan reads them inside the Triton scoring kernel.
+    """
     shape = pages.shape
     pages, slots = pages.reshape(-1), slots.reshape(-1)
     if fmt.name == "fp8_ds":
@@ -64,7 +68,9 @@ def read_rows(views: Views, fmt: EntryFormat, pages: torch.Tensor, slots: torch.
     if fmt.name in ("bf16", "fp32", "bf16_i", "fp32_i"):
         typed = next(iter(fmt.typed(views).values()))                  # [N, P, D]
         return typed[pages.long(), slots.long()].float().view(*shape, fmt.dim)
-    raise FormatError(f"Triton gather supports fp8_ds, bf16 and fp32 rows, not {fmt.name}")
+    if fmt.name in ("mxfp4", "fp8", "nvfp4"):
+        return ref.read_rows(views, fmt, pages, slots).view(*shape, fmt.dim)
+    raise FormatError(f"no row decoder for format {fmt.name}")
 
 
 def gather_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, request_slots: torch.Tensor

@@ -1,0 +1,203 @@
+"""`dsv4 bench` on CPU: a quick run end to end (JSON, chart), the byte / FLOP model by hand, the
+synthetic cache state, and the Triton backend under the interpreter on one tiny case."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from dsv4.attention import AttentionSubBlock
+from dsv4.bench import main
+from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.bench.counts import Geometry, decode_work, layer_params, prefill_work
+from dsv4.bench.setup import build_decode_state, make_block
+
+OPS = {"csa": {"append", "flush", "indexer", "attention", "cache", "layer"},
+       "hca": {"append", "flush", "attention", "cache", "layer"}}
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny shapes: extra intra-op threads only add synchronisation (and stall on a busy machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(doc: dict, **want) -> list[dict]:
+    return [r for r in doc["rows"] if all(r[k] == v for k, v in want.items())]
+
+
+def test_quick_run_writes_well_formed_json(tmp_path, one_thread, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--quick", "--backends", "reference", "--json", str(out)]
+    plot = importlib.util.find_spec("matplotlib") is not None
+    if plot:
+        args += ["--plot", str(tmp_path / "bench.png")]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "decode: whole attention layer" in printed and "targets" in printed
+
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "dsv4.bench/1"
+    assert set(doc) == {"schema", "meta", "ceilings", "rows", "targets", "skipped"}
+    assert doc["meta"]["model"] == "quick" and doc["meta"]["contexts"] == [64, 256]
+    assert doc["ceilings"]["copy_gbps"] is None and doc["ceilings"]["mma_tflops"] is None   # CPU: n/a
+    row_keys = {"kind", "layer", "context", "batch", "op", "impl", "status", "reason", "mode", "us", "us_eager",
+                "bytes", "flops", "bytes_detail", "flops_detail", "note", "gbps", "tflops", "pct_bw", "pct_mma",
+                "roofline_us", "pct_roofline", "bound", "x_vs_reference", "x_vs_hf"}
+    for r in doc["rows"]:
+        assert set(r) == row_keys
+        assert r["status"] == "ok", r
+        assert r["us"] > 0 and r["bytes"] > 0 and r["bytes"] == sum(r["bytes_detail"].values())
+        assert r["flops"] == sum(r["flops_detail"].values())
+        assert r["pct_bw"] is None and r["pct_roofline"] is None
+    # every case: our reference per op, transformers for the whole layer
+    for layer in ("csa", "hca"):
+        for ctx in (64, 256):
+            for b in (1, 3):
+                case = _rows(doc, kind="decode", layer=layer, context=ctx, batch=b)
+                assert {r["op"] for r in case if r["impl"] == "reference"} == OPS[layer]
+                hf = [r for r in case if r["impl"] == "hf"]
+                assert [r["op"] for r in hf] == ["layer"]
+                ours = next(r for r in case if r["impl"] == "reference" and r["op"] == "layer")
+                assert ours["x_vs_hf"] == pytest.approx(hf[0]["us"] / ours["us"])
+                assert ours["x_vs_reference"] == pytest.approx(1.0)
+        assert {(r["op"], r["impl"]) for r in _rows(doc, kind="prefill", layer=layer)} == {
+            ("compress_flush", "reference"), ("layer", "reference"), ("layer", "hf")}
+    # one case by hand (quick model: D 128, H 4, W 16, m' 16, fp8_ds entry 64 + 2*64 + 8 = 200 B):
+    # HCA attention at C = 256, B = 3 reads q and writes o (fp32), the 16-row ring and its positions,
+    # and all 256 // 16 = 16 entries; 4*H*D FLOPs per key
+    (att,) = _rows(doc, kind="decode", layer="hca", context=256, batch=3, op="attention", impl="reference")
+    assert att["bytes"] == 3 * (2 * 4 * 128 * 4 + 16 * 200 + 16 * 4 + 16 * 200)
+    assert att["flops"] == 3 * 4 * 4 * 128 * (16 + 16)
+    assert [t["layer"] for t in doc["targets"]] == ["csa", "hca"] * 3
+    assert all(t["met"] is None for t in doc["targets"])        # 128K / batch 64 is not in a quick run
+    if plot:
+        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_counts_by_hand():
+    cfg, _ = bench_config(quick=True)     # D 128 (64 nope + 64 rope), W 16, H 4, m 4, m' 16, k 6, H_I 16 x 64
+    e, e_i = 64 + 2 * 64 + 8, 64 // 2 + 64 // 32                # fp8_ds 200 B, mxfp4 34 B
+    hca = Geometry.of(cfg, "hca")
+    csa = Geometry.of(cfg, "csa")
+    assert (hca.entry_bytes, csa.idx_entry_bytes) == (e, e_i)
+
+    # HCA attention, C = 64, B = 1: q + o fp32, 16 ring rows + positions, 64 // 16 = 4 entries
+    w = decode_work(hca, batch=1, context=64, score_width=4)["attention"]
+    assert w.total_bytes == 2 * 4 * 128 * 4 + 16 * e + 16 * 4 + 4 * e
+    assert w.total_flops == 4 * 4 * 128 * (16 + 4)
+    # CSA indexer, C = 256, B = 3: 64 keys scanned, 64-wide scores, top-6
+    w = decode_work(csa, batch=3, context=256, score_width=64)["indexer"]
+    assert w.total_bytes == 3 * (16 * 64 * 4 + 16 * 4 + 64 * e_i + 64 * 4 + 64 * 4 + 6 * 8)
+    assert w.total_flops == 3 * 2 * 16 * 64 * 64
+    # CSA attention reads W + min(k, N_I) entries (+ the int64 indices); the layer adds the weights once
+    ops = decode_work(csa, batch=3, context=256, score_width=64)
+    assert ops["attention"].total_bytes == 3 * (2 * 4 * 128 * 4 + (16 + 6) * e + 16 * 4 + 6 * 8)
+    assert ops["cache"].total_bytes == sum(ops[k].total_bytes for k in ("append", "flush", "indexer", "attention"))
+    assert ops["layer"].total_bytes == ops["cache"].total_bytes + 2 * csa.params + 2 * 3 * 64 * 2
+    assert ops["layer"].total_flops == ops["cache"].total_flops + 2 * 3 * csa.proj_params
+
+    # V4-Flash: the issue's per-request counts
+    flash, _ = bench_config(quick=False)
+    f = decode_work(Geometry.of(flash, "csa"), batch=64, context=131072, score_width=32768)
+    assert f["indexer"].bytes["keys_read"] == 64 * 32768 * 68
+    assert f["attention"].bytes["entries_read"] + f["attention"].bytes["ring_read"] == 64 * (128 + 512) * 584
+    g = decode_work(Geometry.of(flash, "hca"), batch=1, context=131072, score_width=1024)
+    assert g["attention"].total_flops == 4 * 64 * 512 * (128 + 1024)
+
+    # prefill: window + visible entries per query, summed
+    p = prefill_work(hca, tokens=64, chunk=32)["layer"].flops["attention"]
+    assert p == 4 * 4 * 128 * sum(min(16, t + 1) + (t + 1) // 16 for t in range(64))
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_parameter_count_matches_the_layer(kind):
+    cfg, _ = bench_config(quick=True)
+    blk = AttentionSubBlock(cfg, LAYER_INDEX[kind])
+    proj, other = layer_params(cfg, kind)
+    assert proj + other == sum(p.numel() for p in blk.parameters())
+    assert proj == sum(p.numel() for n, p in blk.named_parameters() if n.endswith("proj.weight"))
+
+
+def test_synthetic_decode_state_is_valid(one_thread):
+    cfg, tpb = bench_config(quick=True)
+    st = build_decode_state(cfg, context=64, batch=2, device=torch.device("cpu"), tokens_per_block=tpb,
+                            kv_format="fp8_ds", indexer_format="mxfp4")
+    b = st.batch
+    assert b.is_decode and b.seq_lens_host == (64, 64) and b.positions.tolist() == [63, 63]
+    for rid in st.request_ids:
+        assert st.mgr.seq_len(rid) == 64
+    for li, ring in st.mgr.states.items():
+        slots = torch.tensor(b.slots_host)
+        held = ring.swa_pos[slots].sort(dim=1).values
+        assert held.tolist() == [list(range(47, 63))] * 2              # the last W positions before 63
+        assert ring.swa_head[slots].tolist() == [63, 63]
+        pool = st.mgr.paged[li]
+        keys = pool.schema.kv_format.decode({k: v.reshape(-1, v.shape[-1]) for k, v in pool.kv.items()})
+        assert torch.isfinite(keys).all()
+        assert torch.isfinite(ring.comp_state[slots, 1:]).all()
+        assert not torch.isnan(ring.comp_state[slots, 0]).any()
+    for kind in ("csa", "hca"):
+        blk = make_block(cfg, LAYER_INDEX[kind], torch.device("cpu"))
+        blk.backend = "reference"
+        with torch.no_grad():
+            out = blk(st.x, b, st.mgr.acquire(LAYER_INDEX[kind], b))
+        assert out.shape == (2, cfg.hidden_size) and torch.isfinite(out.float()).all()
+
+
+def test_bad_arguments_exit_with_usage_status():
+    with pytest.raises(SystemExit) as e:
+        main(["--contexts", "lots"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--layers", "swa"])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="the Triton backend runs on CPU only under TRITON_INTERPRET=1")
+def test_triton_backend_under_the_interpreter(tmp_path, one_thread):
+    out = tmp_path / "triton.json"
+    assert main(["--quick", "--backends", "triton", "--contexts", "64", "--batches", "1", "--layers", "hca",
+                 "--prefill", "0", "--no-hf", "--reps", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = _rows(doc, impl="triton")
+    if not rows:   # the Triton kernels did not import: the run says why and measures nothing
+        assert any(s["what"] == "backend triton" for s in doc["skipped"])
+        return
+    assert {r["op"] for r in rows} == OPS["hca"]
+    for r in rows:
+        assert (r["status"] == "ok" and r["us"] > 0 and r["mode"] == "host") or r["reason"], r
+
+
+def test_failures_become_row_statuses(tmp_path, one_thread, monkeypatch):
+    """An OOM while building a case's cache, or a transformers without DeepSeek-V4, end no run."""
+    from dsv4.bench import decode, hf
+
+    def no_model():
+        raise ImportError("transformers 0.0 has no DeepSeek-V4 model")
+
+    monkeypatch.setattr(hf, "import_hf", no_model)
+    real = decode.build_decode_state
+
+    def oom_at_256(cfg, *, context, **kw):
+        if context == 256:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real(cfg, context=context, **kw)
+
+    monkeypatch.setattr(decode, "build_decode_state", oom_at_256)
+    out = tmp_path / "fail.json"
+    assert main(["--quick", "--backends", "reference", "--contexts", "64,256", "--batches", "1", "--layers", "hca",
+                 "--prefill", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["status"] for r in _rows(doc, context=256)} == {"oom"}
+    assert {r["status"] for r in _rows(doc, context=64, impl="reference")} == {"ok"}
+    (hf_row,) = _rows(doc, context=64, impl="hf")
+    assert hf_row["status"] == "skipped" and "DeepSeek-V4" in hf_row["reason"]
+    assert any("DeepSeek-V4" in s["reason"] for s in doc["skipped"])
