@@ -1,6 +1,7 @@
 """The `dsv4` command line.
 
     dsv4 plan --model flash --context 1048576 --memory 80GiB     # memory plan (dsv4.planner)
+    dsv4 run                                                    # generate on the cache (dsv4.engine)
 
 Each subcommand is a pair of functions: `_add_<name>(subparsers)` declares its arguments and
 `_cmd_<name>(args) -> int` runs it. The math lives in library modules; this file parses, prints
@@ -245,6 +246,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: 1 for the built-in model, whose ops are too small to "
+                        "share; torch's default otherwise)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_cmd_run)
 
@@ -262,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     _add_plan(sub)
     _add_run(sub)
-    # Later subcommands (`run`, `bench`) add themselves here the same way: _add_run(sub), _add_bench(sub).
+    # Later subcommands (`bench`) add themselves here the same way: _add_bench(sub).
     return parser
 
 

@@ -16,7 +16,7 @@ import torch
 
 from dsv4.engine.default_model import DEFAULT_SEED, build_default_model, default_prompts
 from dsv4.engine.engine import Engine, GenerationResult
-from dsv4.errors import InputError
+from dsv4.errors import DSV4Error, InputError, OutOfBlocksError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +78,11 @@ def _encode(text: str, tokenizer, where: str) -> list[int]:
 def run_from_args(args) -> int:
     """Run `dsv4 run` with parsed arguments (see `dsv4.cli._add_run` for the flags)."""
     device = resolve_device(args.device)
+    threads = args.threads if args.threads is not None else (1 if args.model is None else None)
+    if threads is not None:  # this is the process's entry point: the library itself never does this
+        if threads < 1:
+            raise InputError(f"--threads {threads}: give a positive number of CPU threads")
+        torch.set_num_threads(threads)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     opts = {"kv_format": args.kv_format, "indexer_format": args.indexer_format, "memory_bytes": args.memory,
             "max_requests": args.max_requests, "device": device, "max_batch_tokens": args.max_batch_tokens,
@@ -89,8 +94,13 @@ def run_from_args(args) -> int:
         engine = Engine(args.model, **opts)
     prompts = (read_prompts(args.prompts, engine.tokenizer) if args.prompts
                else default_prompts(engine.vocab_size))
-    result = engine.run(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed, progress=True)
+    try:
+        result = engine.run(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, progress=True)
+    except OutOfBlocksError as e:  # the same failure, in the command line's words
+        raise DSV4Error(f"no request fits in the cache: the smallest needs {e.needed} blocks but the cache has "
+                        f"{e.free}; give more --memory, leave --memory out (the cache is then sized to the "
+                        "requests), or lower --max-new-tokens") from None
     if args.json:
         print(json.dumps(to_json(result, prompts, engine.tokenizer), indent=2))
     else:

@@ -10,7 +10,8 @@ An in-memory `DeepseekV4ForCausalLM` is patched in place (its attention modules 
 `AttentionSubBlock`s holding the same weights) and is afterwards only usable through the engine.
 
 Cache options are `KVCacheManager`'s: kv_format, indexer_format, tokens_per_block, num_blocks or
-memory_bytes, max_requests, device. With neither num_blocks nor memory_bytes, each call gets a
+memory_bytes, max_requests, device, backend (kernels: "auto" = Triton on CUDA when installed, else the
+PyTorch reference). With neither num_blocks nor memory_bytes, each call gets a
 cache sized to hold its `max_requests` largest requests at once (nothing is then rejected).
 
 A request that could never fit in the cache is rejected: generate() returns [] for it and serves
@@ -31,7 +32,7 @@ import torch
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.schema import block_fill_ratio, blocks_needed, build_schemas
 from dsv4.engine.checkpoint import load_checkpoint
-from dsv4.engine.model_runner import ModelRunner, cast_like_transformers, patch_attention
+from dsv4.engine.model_runner import ModelRunner, cast_like_transformers, check_patchable, patch_attention
 from dsv4.engine.report import RunStats, StatsRecorder
 from dsv4.engine.sampling import check_sampling, request_generator, sample
 from dsv4.engine.scheduler import Request, Scheduler, Status
@@ -51,28 +52,40 @@ class Engine:
     def __init__(self, model_or_path, *, kv_format: str = "fp8_ds", indexer_format: str = "mxfp4",
                  tokens_per_block: int = 256, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_requests: int = 8, device: torch.device | str | None = None, max_batch_tokens: int = 2048,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, backend: str = "auto"):
         self.tokenizer = None
         if isinstance(model_or_path, (str, os.PathLike)):
             model, self.tokenizer = load_checkpoint(os.fspath(model_or_path), dtype)
             self.name = os.path.basename(os.path.normpath(os.fspath(model_or_path)))
         else:
             model = model_or_path
+            if getattr(getattr(model, "config", None), "model_type", None) != "deepseek_v4":
+                raise CheckpointError("Engine needs a transformers DeepseekV4ForCausalLM or its checkpoint "
+                                      f"directory, not {type(model).__name__}")
             self.name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-        if getattr(getattr(model, "config", None), "model_type", None) != "deepseek_v4" or not hasattr(model, "model"):
-            raise CheckpointError(f"Engine needs a transformers DeepseekV4ForCausalLM or its checkpoint directory, "
-                                  f"not {type(model).__name__}")
         if max_batch_tokens < 1 or max_requests < 1:
             raise ConfigError("max_batch_tokens and max_requests must be at least 1")
         if num_blocks is not None and memory_bytes is not None:
             raise ConfigError("give at most one of num_blocks= or memory_bytes= (neither: sized per call)")
         self.cfg = DSV4Config.from_hf(model.config)
+        check_patchable(model, self.cfg)
         # Bad formats or block sizes fail here, not in the middle of a call.
         schemas = build_schemas(self.cfg, tokens_per_block=tokens_per_block, kv_format=kv_format,
                                 indexer_format_name=indexer_format)
         self._tokens_per_block, self._fill_ratio = tokens_per_block, block_fill_ratio(schemas)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" != "cuda:0" in device checks
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype if dtype is not None else model.model.embed_tokens.weight.dtype
+        self.max_batch_tokens, self.max_requests = max_batch_tokens, max_requests
+        self._cache_kw = {"kv_format": kv_format, "indexer_format": indexer_format,
+                          "tokens_per_block": tokens_per_block, "device": self.device,
+                          "max_batch_tokens": max_batch_tokens, "backend": backend}
+        self.manager: KVCacheManager | None = None
+        if num_blocks is not None or memory_bytes is not None:  # before the model is touched: may refuse
+            self.manager = KVCacheManager(self.cfg, max_requests=max_requests, num_blocks=num_blocks,
+                                          memory_bytes=memory_bytes, **self._cache_kw)
+        # ---- everything checked: cast, move and patch the model
         if model.model.embed_tokens.weight.dtype != self.dtype:
             cast_like_transformers(model, self.dtype)
         self.model = model.to(self.device).eval()
@@ -82,14 +95,6 @@ class Engine:
         eos = model.config.eos_token_id if eos is None else eos
         self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
             () if eos is None else (int(eos),))
-        self.max_batch_tokens, self.max_requests = max_batch_tokens, max_requests
-        self._cache_kw = {"kv_format": kv_format, "indexer_format": indexer_format,
-                          "tokens_per_block": tokens_per_block, "device": self.device,
-                          "max_batch_tokens": max_batch_tokens}
-        self.manager: KVCacheManager | None = None
-        if num_blocks is not None or memory_bytes is not None:
-            self.manager = KVCacheManager(self.cfg, max_requests=max_requests, num_blocks=num_blocks,
-                                          memory_bytes=memory_bytes, **self._cache_kw)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int | Sequence[int] = 64, temperature: float = 0.0,
@@ -166,7 +171,9 @@ class Engine:
         dev = self.device
         logits = runner.forward(torch.tensor(ids, dtype=torch.long, device=dev), batch,
                                 torch.tensor(rows, dtype=torch.long, device=dev))
-        toks = sample(logits, temperature, top_p, [r.generator for r in sampled])  # .tolist() syncs the device
+        toks = sample(logits, temperature, top_p, [r.generator for r in sampled])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # (sample's .tolist() already waited; keep the timing rule explicit)
         now = time.perf_counter()
         memory = sched.mgr.memory_report()
         held = sum(sched.mgr.seq_len(r.rid) for r in sched.running)

@@ -45,16 +45,10 @@ def patch_attention(model: nn.Module, cfg: DSV4Config, dtype: torch.dtype) -> li
     The sub-block is built on the HF module's device, loads its state dict (strict), is cast to `dtype`,
     and the HF module is released. Returns the sub-blocks, one per layer.
     """
-    layers = model.model.layers
-    if len(layers) != cfg.num_hidden_layers:
-        raise CheckpointError(f"the model has {len(layers)} decoder layers but its config says "
-                              f"{cfg.num_hidden_layers}; re-save the checkpoint")
+    check_patchable(model, cfg)
     blocks = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(model.model.layers):
         old = layer.self_attn
-        if isinstance(old, PagedSelfAttention):
-            raise CheckpointError("this model's attention is already patched by another Engine; "
-                                  "give each Engine its own model")
         device = next(old.parameters()).device
         with torch.device(device):
             block = AttentionSubBlock(cfg, i)
@@ -63,6 +57,17 @@ def patch_attention(model: nn.Module, cfg: DSV4Config, dtype: torch.dtype) -> li
         layer.self_attn = PagedSelfAttention(block)  # drops the last reference to the HF module
         blocks.append(block)
     return blocks
+
+
+def check_patchable(model: nn.Module, cfg: DSV4Config) -> None:
+    """Refuse (before anything changes) a model whose layers do not match `cfg` or that is already patched."""
+    layers = model.model.layers
+    if len(layers) != cfg.num_hidden_layers:
+        raise CheckpointError(f"the model has {len(layers)} decoder layers but its config says "
+                              f"{cfg.num_hidden_layers}; re-save the checkpoint")
+    if any(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
+        raise CheckpointError("this model's attention is already patched by another Engine; "
+                              "give each Engine its own model")
 
 
 def cast_like_transformers(model: nn.Module, dtype: torch.dtype) -> None:
