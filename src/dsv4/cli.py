@@ -266,11 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     _add_plan(sub)
     _add_run(sub)
-    # Later subcommands (`bench`) add themselves here the same way: _add_bench(sub).
+    # `dsv4 bench` parses its own arguments (dsv4.bench.main); listed here for --help.
+    sub.add_parser("bench", help="time the kernels and the attention layer (dsv4 bench --help)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from dsv4.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
