@@ -249,6 +249,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: 1 for the built-in model, whose ops are too small to "
                         "share; torch's default otherwise)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_cmd_run)
 

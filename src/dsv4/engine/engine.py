@@ -52,8 +52,9 @@ class Engine:
     def __init__(self, model_or_path, *, kv_format: str = "fp8_ds", indexer_format: str = "mxfp4",
                  tokens_per_block: int = 256, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_requests: int = 8, device: torch.device | str | None = None, max_batch_tokens: int = 2048,
-                 dtype: torch.dtype | None = None, backend: str = "auto"):
+                 dtype: torch.dtype | None = None, backend: str = "auto", cuda_graphs: bool = True):
         self.tokenizer = None
+        self.cuda_graphs = cuda_graphs
         if isinstance(model_or_path, (str, os.PathLike)):
             model, self.tokenizer = load_checkpoint(os.fspath(model_or_path), dtype)
             self.name = os.path.basename(os.path.normpath(os.fspath(model_or_path)))
@@ -131,7 +132,7 @@ class Engine:
             raise OutOfBlocksError(need, mgr.allocator.num_usable,
                                    "the smallest request (no request fits in the cache at all)")
         rec = StatsRecorder()
-        runner = ModelRunner(self.model, self.cfg, mgr)
+        runner = ModelRunner(self.model, self.cfg, mgr, cuda_graphs=self.cuda_graphs)
         total = sum(len(r.prompt) + r.max_new_tokens for r in served)
         t0 = time.perf_counter()
         with _progress(total, progress) as bar:
@@ -147,7 +148,8 @@ class Engine:
             rec, wall_s=wall, requests=len(reqs), completed=len(served), rejected=len(reqs) - len(served),
             prompt_tokens=sum(len(r.prompt) for r in served), generated_tokens=sum(len(r.output) for r in served),
             model=self.name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            kv_format=mgr.kv_format, indexer_format=mgr.indexer_format)
+            kv_format=mgr.kv_format, indexer_format=mgr.indexer_format,
+            cuda_graphs=f"{runner.graph_status}, {runner.replays} replayed steps")
         return GenerationResult(
             outputs=[list(r.output) for r in reqs],
             finish_reasons=[r.finish_reason if r.status is Status.FINISHED else "rejected" for r in reqs],

@@ -27,6 +27,24 @@ from dsv4.errors import CheckpointError
 from dsv4.model.config import DSV4Config
 
 
+class _experts:
+    """Temporarily run every transformers experts module with another implementation."""
+
+    def __init__(self, implementation: str, model: nn.Module):
+        self.impl = implementation
+        self.configs = {id(m.config): m.config for m in model.modules()
+                        if hasattr(m, "config") and hasattr(m, "has_gate")}.values()
+
+    def __enter__(self) -> None:
+        self.saved = [c._experts_implementation for c in self.configs]
+        for c in self.configs:
+            c._experts_implementation = self.impl
+
+    def __exit__(self, *exc) -> None:
+        for c, v in zip(self.configs, self.saved):
+            c._experts_implementation = v
+
+
 class PagedSelfAttention(nn.Module):
     """Stands in for `DeepseekV4Attention` inside a `DeepseekV4DecoderLayer`."""
 
@@ -88,14 +106,59 @@ def cast_like_transformers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 class ModelRunner:
-    """One forward step of the patched model over a `ForwardBatch` of packed tokens."""
+    """One forward step of the patched model over a `ForwardBatch` of packed tokens.
 
-    def __init__(self, model: nn.Module, cfg: DSV4Config, manager: KVCacheManager):
+    On CUDA, all-decode steps run as CUDA graphs, one per (batch size, seq_len_bound): the first
+    step of a key runs eagerly (compiles kernels, fills lazy caches), the second captures the
+    step, later ones replay it. The step reads only the manager's persistent metadata buffers and
+    a static token buffer, so a replay is the eager step. transformers' default expert loop syncs
+    with the host (`nonzero`), so decode steps use its capturable `batched_mm` experts. A capture
+    that fails turns graphs off for the runner and says why in `graph_status`.
+    """
+
+    def __init__(self, model: nn.Module, cfg: DSV4Config, manager: KVCacheManager, *, cuda_graphs: bool = True):
         self.model, self.cfg, self.manager = model, cfg, manager
         self.hc_mult = int(model.config.hc_mult)
+        self.use_graphs = cuda_graphs and manager.device.type == "cuda"
+        self.graph_status = "on" if self.use_graphs else ("off" if manager.device.type == "cuda" else "n/a (cpu)")
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._warm: set[tuple[int, int]] = set()
+        self._pool = None
+        self.replays = 0
+
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Args as `forward_eager`; all-decode steps that want every row's logits may replay a graph."""
+        if self.use_graphs and batch.is_decode and logit_rows.numel() == batch.num_requests:
+            return self._forward_graph(token_ids, batch)
+        return self.forward_eager(token_ids, batch, logit_rows)
+
+    def _forward_graph(self, token_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        key = (batch.num_requests, batch.seq_len_bound)
+        rows = torch.arange(batch.num_requests, device=token_ids.device)
+        with _experts("batched_mm", self.model):
+            if key not in self._graphs:
+                if key not in self._warm:
+                    self._warm.add(key)
+                    return self.forward_eager(token_ids, batch, rows)
+                static_ids = token_ids.clone()
+                graph = torch.cuda.CUDAGraph()
+                self._pool = self._pool or torch.cuda.graph_pool_handle()
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        out = self.forward_eager(static_ids, batch, rows)
+                except RuntimeError as e:  # capture refused: run eagerly from now on, and say so
+                    self.use_graphs = False
+                    self.graph_status = f"off (capture failed: {str(e).splitlines()[0][:120]})"
+                    return self.forward_eager(token_ids, batch, rows)
+                self._graphs[key] = (graph, static_ids, out)
+            graph, static_ids, out = self._graphs[key]
+            static_ids.copy_(token_ids)
+            graph.replay()
+        self.replays += 1
+        return out.clone()
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward_eager(self, token_ids: torch.Tensor, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run every layer on the step's tokens; the cache of each layer is read and written on the way.
 
         Args:

@@ -47,6 +47,7 @@ class RunStats:
     dtype: str
     kv_format: str
     indexer_format: str
+    cuda_graphs: str                 # decode graphs: on/off/n/a and how many steps replayed
     requests: int
     completed: int
     rejected: int
@@ -99,6 +100,7 @@ def stats_table(s: RunStats, title: str = "dsv4 run"):
         ("model", s.model),
         ("device / dtype", f"{s.device} / {s.dtype}"),
         ("cache formats", f"kv {s.kv_format}, indexer {s.indexer_format}"),
+        ("decode CUDA graphs", s.cuda_graphs),
         ("requests", f"{s.requests} ({s.completed} completed, {s.rejected} rejected)"),
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("generated tokens", f"{s.generated_tokens:,}"),

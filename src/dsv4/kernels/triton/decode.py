@@ -6,18 +6,32 @@ paged pools / window ring through the block table and dequantised in registers; 
 gathered into a temporary. Grids depend only on static sizes (B, H, max_entries, K, W), bounds
 are device-side, there is no host read: both ops can be captured in a CUDA graph.
 
-Precision (`precision=`): "ieee" = fp32 operands, fp32 dots (exact mode, the default for fp32
-formats); "bf16" = bf16 tensor-core operands, fp32 accumulation; "bf16x2" = the varying fp32
-operand (q, or p) split into bf16 hi + lo, two dots (~fp32 accuracy). Dequantised keys of
-every quantised format (and bf16) are exact in bf16 (E2M1 x power of two, e4m3 x power of two,
-e4m3 x e4m3): only q (and p) are rounded. Per-key fp32 factors (fp8's scale, nvfp4's global
-scale) multiply the dot's result instead of the keys.
-
     paged_indexer_scores  grid (B, P): program p scans key tiles p, p+P, ... of its request with
-                          q [H, D_I] loaded once; tiles at or past num_entries[b] only store -inf.
+                          q [H, D_I] loaded once; a tile at or past num_entries[b] only stores -inf,
+                          so the cost follows each request's context, not max_entries.
+                          Per tile: S[H, N] = q . K^T on tensor cores, then sum_h w_h ReLU(S).
+                          E2M1 keys stay split in even/odd elements (low/high nibbles): q is
+                          loaded as q[:, 0::2] and q[:, 1::2] and two dots replace the interleave.
     decode_attention      grid (head blocks, B, S): split s runs an online softmax over key tiles
-                          s, s+S, ... (window ring first, then CSA indices / HCA entries); S > 1
-                          writes partial (m, l, acc) and a combine kernel adds the sink once.
+                          s, s+S, ... (window ring, then CSA indices / HCA entries); each tile is
+                          loaded once and feeds both q . K^T and p . V (V = K). S = 1 applies the
+                          sink in the kernel; S > 1 stores (m, l, acc) per split and a combine
+                          kernel adds the sink once. Heads are split across programs (BLOCK_H of
+                          them, 16 at D 512) because acc [H, 512] fp32 for 64 heads does not fit
+                          in registers; the programs of one request read the same key tiles, which
+                          the head-block-fastest grid order keeps in L2.
+
+Precision (`precision=`): "ieee" = fp32 operands and fp32 FMA dots (the default for fp32
+entries: exact up to summation order); "tf32x3" = fp32 operands on tensor cores in three TF32
+passes (near-fp32); "bf16" = bf16 tensor-core operands, fp32 accumulation (the default for
+fp8_ds / bf16 attention); "bf16x2" = the varying fp32 operand (q, or p) split into bf16 hi + lo,
+two dots (~1e-5; the default for quantised indexer keys, whose top-k is sensitive to near-ties).
+Dequantised keys of every quantised format (and bf16) are exact in bf16 (E2M1 x power of two,
+e4m3 x power of two, E2M1 x e4m3), so only q and p are rounded. Per-key fp32 factors (fp8's
+scale, nvfp4's global scale) multiply the dot's result instead of the keys. fp8_ds rows decode
+with the hardware e4m3 conversion (sm_89+; the interpreter too, except the NaN codes, which the
+writer never stores). mxfp4 scales are read as 2^(byte - 113) (the 2^14 of the E2M1 decode
+folded in): bytes >= 241 (|key| >= 2^113) overflow, byte 0 (never written) is not 0.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from dsv4.errors import FormatError, InputError
 Views = dict[str, torch.Tensor]
 
 _LOG2E = 1.4426950408889634
-_PRECISIONS = {"ieee": 0, "bf16": 1, "bf16x2": 2}
+_PRECISIONS = {"ieee": 0, "bf16": 1, "bf16x2": 2, "tf32x3": 3}
 _MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": 2}
 _IDX_FMT = {"fp32_i": 0, "bf16_i": 1, "fp8": 2, "mxfp4": 3, "nvfp4": 4}
 # constexpr ids used inside the kernels (FMT is a main-format id in decode_attention, an indexer one above)
@@ -48,7 +62,7 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 @triton.jit
 def _split(x, PREC: tl.constexpr):
     """fp32 operand -> (hi, lo) in the dot's operand type (lo used only by bf16x2)."""
-    if PREC == 0:
+    if PREC == 0 or PREC == 3:
         hi = x
         lo = x
     else:
@@ -65,6 +79,8 @@ def _dot(a_hi, a_lo, b, PREC: tl.constexpr, NATIVE: tl.constexpr):
     operands through an fp32 dot."""
     if PREC == 0:
         out = tl.dot(a_hi, b, input_precision="ieee")
+    elif PREC == 3:
+        out = tl.dot(a_hi, b, input_precision="tf32x3")
     elif NATIVE:
         out = tl.dot(a_hi, b)
         if PREC == 2:
@@ -161,7 +177,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         idx_views: the indexer pool's region views {name: [num_blocks, epb, bytes] uint8}.
         block_table: [B, max_blocks] int32; num_entries: [B] int (visible entries).
         max_entries: static width N of the output; epb: entries per block.
-        precision: "ieee" | "bf16" | "bf16x2" (default: ieee for fp32 keys, else bf16x2).
+        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 keys, else bf16x2).
         block_n, num_programs, num_warps: tile of keys, programs per request, warps (tuning).
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
@@ -169,14 +185,19 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     if fmt.name not in _IDX_FMT:
         raise FormatError(f"paged_indexer_scores reads indexer formats {tuple(_IDX_FMT)}, got {fmt.name!r}")
     bsz, heads, dim = q.shape
+    if dim != fmt.dim or weights.shape != (bsz, heads):
+        raise InputError(f"q must be [B, H, {fmt.dim}] and weights [B, H]; got {list(q.shape)}, {list(weights.shape)}")
     out = torch.empty(bsz, max_entries, dtype=torch.float32, device=q.device)
     if bsz == 0 or max_entries == 0:
         return out
     prec = _precision(precision, "ieee" if fmt.name == "fp32_i" else "bf16x2")
     cuda = q.device.type == "cuda"
-    bn = block_n or (64 if cuda else 16)
+    # sm_90 compile (H 64, D_I 128): bf16x2 BLOCK_N 64 / 8 warps ~110 registers, no spill; the
+    # fp32 FMA dot of "ieee" needs BLOCK_N 16 to stay spill-free (80 registers).
+    bn = block_n or ((16 if prec == 0 else 64) if cuda else 16)
     tiles = triton.cdiv(max_entries, bn)
     nprog = num_programs or (min(tiles, max(1, triton.cdiv(4 * _sm_count(q.device), bsz))) if cuda else 2)
+    warps = num_warps or (8 if heads > 16 or prec == 0 else 4)
     typed = fmt.typed(idx_views)
     data = typed["data"]
     scale = typed.get("scale", data)
@@ -187,8 +208,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
         tiles, max_entries, epb, block_table.shape[1], dim ** -0.5,
-        FMT=_IDX_FMT[fmt.name], PREC=prec, NATIVE=cuda, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim,
-        D_PAD=triton.next_power_of_2(dim), GS=16 if fmt.name == "mxfp4" else 8, BLOCK_N=bn, num_warps=num_warps or (8 if heads > 16 else 4))
+        FMT=_IDX_FMT[fmt.name], PREC=prec, NATIVE=cuda, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        D=dim, D_PAD=triton.next_power_of_2(dim), GS=16 if fmt.name == "mxfp4" else 8, BLOCK_N=bn, num_warps=warps)
     return out
 
 
@@ -243,7 +264,8 @@ def _decode_attn_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
-        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr):
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+        FUSED: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
     else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
     b = tl.program_id(1)
@@ -342,7 +364,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     Args:
         q: [B, H, D] fp32; sinks: [H]; swa: ring region views {name: [R, W, bytes]};
         swa_pos: [R, W] int32; request_slots, positions: [B] int; block_table: [B, max_blocks].
-        precision: "ieee" | "bf16" | "bf16x2" (default: ieee for fp32 entries, else bf16).
+        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 entries, else bf16).
         block_h, block_n, num_splits, num_warps: heads per program, keys per tile, key splits
         per (request, head block), warps (tuning; defaults per device).
     Returns:
@@ -356,14 +378,16 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     if mode and (kv_views is None or block_table is None):
         raise InputError("compressed keys (indices or num_entries) need kv_views and block_table")
     bsz, heads, dim = q.shape
+    if dim != kv_fmt.dim or sinks.shape != (heads,):
+        raise InputError(f"q must be [B, H, {kv_fmt.dim}] and sinks [H]; got {list(q.shape)}, {list(sinks.shape)}")
     out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
     if bsz == 0:
         return out
     prec = _precision(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     cuda = q.device.type == "cuda"
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
-    bh = block_h or min(max(16, triton.next_power_of_2(heads)), 16 if nch >= 8 else 64)
-    bn = block_n or ((32 if nch >= 8 else 64) if cuda else 16)
+    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
+    bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
     n_hb = triton.cdiv(heads, bh)
     ring = swa_pos.shape[1]
     n_comp = 0 if mode == 0 else (indices.shape[1] if mode == 1 else max_entries)
@@ -397,7 +421,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ring, window, epb, bt.shape[-1], n_comp, scale * _LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
-        num_warps=num_warps or (8 if nch >= 8 else 4))
+        num_warps=warps)
     if n_split > 1:
         bhc = min(16, triton.next_power_of_2(heads))
         _combine_kernel[(bsz, triton.cdiv(heads, bhc))](
@@ -413,6 +437,23 @@ def _precision(name: str | None, default: str) -> int:
     if name not in _PRECISIONS:
         raise InputError(f"precision={name!r} is not one of {tuple(_PRECISIONS)}")
     return _PRECISIONS[name]
+
+
+def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
+    """Default (BLOCK_H, BLOCK_N, num_warps) of decode_attention.
+
+    From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads x 32 keys and 8 warps is the
+    largest tile without spills (255 registers: K tile 32 KB bf16 + acc 16 x 512 fp32); 32 or 64
+    heads per program spill. The fp32 FMA dots of "ieee"/"tf32x3" spill at D 512 for any tile
+    (validation formats: correct, slow). The CPU interpreter wants few, small tiles.
+    """
+    if not cuda:
+        return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
+    if prec in (0, 3):
+        return 16, 16, 8
+    if nch >= 8:
+        return 16, 32, 8
+    return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:

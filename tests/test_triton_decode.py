@@ -1,0 +1,257 @@
+"""Triton decode kernels (indexer scores, sink attention) against their PyTorch twins.
+
+Caches are real: a KVCacheManager whose page buffers and window rings are first filled with
+random bytes (NaN and inf patterns included), then written through the LayerCacheHandle, so
+every byte a kernel may read without permission is garbage. Queries, weights and sinks are
+fresh random tensors.
+
+tiny_config (W 16, m 4, m' 16, D 128 = 64 + 64, D_I 64), tokens_per_block 32:
+    lens    1   3  16  17  18  32  33  34  100      positions = len - 1
+    CSA     0   0   4   4   4   8   8   8   25      entries (8 per block)
+    HCA     0   0   1   1   1   2   2   2    6      entries (2 per block)
+real_dims_config (W 128, m 4, m' 128, D 512 = 448 + 64, D_I 128), tokens_per_block 256:
+    lens    3 128 129 130 256 257 258               positions 127/128/129, 255/256/257
+    CSA     0  32  32  32  64  64  64
+    HCA     0   1   1   1   2   2   2
+
+Tolerances (max|a - b| / max|b|): exact modes ("ieee", fp32 entries) 1e-5; bf16x2 1e-4;
+bf16 tensor-core operands 1e-2 (measured ~2-4e-3 on attention, ~3e-3 on scores).
+On CPU the kernels run in Triton's interpreter (slow): small tiles, H <= 16, few requests.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+from attn_helpers import max_rel
+from conftest import real_dims_config, tiny_config
+
+from dsv4 import KVCacheManager
+from dsv4.cache.batch import ForwardBatch
+from dsv4.errors import FormatError, InputError
+from dsv4.kernels.reference import decode as ref
+from dsv4.kernels.triton import decode as tri
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SWA, CSA, HCA = 0, 1, 2
+TINY_LENS = (1, 3, 16, 17, 18, 32, 33, 34, 100)
+REAL_LENS = (3, 128, 129, 130, 256, 257, 258)
+TOL = {"ieee": 1e-5, "tf32x3": 1e-5, "bf16x2": 1e-4, "bf16": 1e-2}
+
+
+@functools.cache
+def cache(kind: str, kv_format: str, indexer_format: str, lens: tuple[int, ...], device: str = DEVICE
+          ) -> tuple[KVCacheManager, ForwardBatch]:
+    """A poisoned cache holding `lens` tokens per request in every layer (built once per key)."""
+    cfg, tpb = (tiny_config(), 32) if kind == "tiny" else (real_dims_config(), 256)
+    blocks = sum(-(-n // tpb) + 1 for n in lens) + 2
+    mgr = KVCacheManager(cfg, max_requests=len(lens), num_blocks=blocks, device=device,
+                         kv_format=kv_format, indexer_format=indexer_format, tokens_per_block=tpb,
+                         max_batch_tokens=sum(lens))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, kv_format, indexer_format, lens)).encode()))
+    rids = [f"r{i}" for i in range(len(lens))]
+    for rid in rids:
+        mgr.add_request(rid)                      # (resets ring slots: poison after this)
+    buffers = [p.kv_pages for p in mgr.paged.values()] + [p.indexer_pages for p in mgr.paged.values()]
+    for buf in buffers + [s.swa_pages for s in mgr.states.values()]:
+        if buf is not None:
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    batch = mgr.prepare_forward(dict(zip(rids, lens)))
+    for layer, sch in enumerate(mgr.schemas):
+        h = mgr.acquire(layer, batch)
+        h.write_swa(torch.randn(batch.num_tokens, cfg.head_dim, generator=gen).to(device) * 2)
+        if sch.compress_ratio:
+            req = [b for b, n in enumerate(lens) for _ in range(n // sch.compress_ratio)]
+            idx = [w for n in lens for w in range(n // sch.compress_ratio)]
+            rows = torch.randn(len(idx), cfg.head_dim, generator=gen).to(device) * 2
+            keys = (torch.randn(len(idx), cfg.indexer_head_dim, generator=gen).to(device)
+                    if sch.indexer_format is not None else None)
+            h.flush_compression(rows, torch.tensor(req, device=device), torch.tensor(idx, device=device), keys)
+    return mgr, batch
+
+
+def close(out: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    """Same -inf pattern, finite everywhere else, max relative error <= tol. Returns the error."""
+    assert out.shape == want.shape and out.dtype == torch.float32
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(out), fin), "masked / finite pattern differs"
+    assert torch.equal(out[~fin], want[~fin])
+    err = max_rel(out[fin], want[fin]) if fin.any() else 0.0
+    assert err <= tol, f"max rel error {err:.3g} > {tol}"
+    return err
+
+
+# ====================================================================== indexer scores
+def scores_args(kind: str, fmt: str, lens: tuple[int, ...], heads: int):
+    mgr, batch = cache(kind, "bf16", fmt, lens)
+    sch, pool = mgr.schemas[CSA], mgr.paged[CSA]
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(len(lens), heads, sch.indexer_head_dim, generator=g).to(DEVICE)
+    w = torch.randn(len(lens), heads, generator=g).to(DEVICE)
+    num_entries = batch.seq_lens // sch.compress_ratio
+    return (q, w, pool.indexer, sch.indexer_format, batch.block_table, num_entries,
+            batch.seq_len_bound // sch.compress_ratio, sch.entries_per_block)
+
+
+@pytest.mark.parametrize("heads", [4, 16])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "nvfp4", "bf16", "fp32"])
+def test_indexer_scores_formats(fmt, heads):
+    args = scores_args("tiny", fmt, TINY_LENS, heads)
+    out = tri.paged_indexer_scores(*args)
+    close(out, ref.paged_indexer_scores(*args), TOL["ieee" if fmt == "fp32" else "bf16x2"])
+    assert torch.isinf(out[0]).all() and torch.isinf(out[1]).all()     # requests with 0 entries
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x2", "bf16"])
+def test_indexer_scores_real_dims(precision):
+    args = scores_args("real", "mxfp4", REAL_LENS, 16)
+    close(tri.paged_indexer_scores(*args, precision=precision), ref.paged_indexer_scores(*args), TOL[precision])
+
+
+@pytest.mark.parametrize("block_n,num_programs", [(16, 1), (16, 3), (32, 2)])
+def test_indexer_scores_tiling(block_n, num_programs):
+    """Programs stride over key tiles; tiles past a request's end only write -inf."""
+    args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
+    out = tri.paged_indexer_scores(*args, block_n=block_n, num_programs=num_programs)
+    close(out, ref.paged_indexer_scores(*args), TOL["bf16x2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8", "bf16", "fp32"])
+def test_indexer_scores_64_heads_long(fmt):
+    lens = (1, 129, 4097, 20000)
+    args = scores_args("real", fmt, lens, 64)
+    out = tri.paged_indexer_scores(*args)
+    close(out, ref.paged_indexer_scores(*args), TOL["ieee" if fmt == "fp32" else "bf16x2"])
+    close(tri.paged_indexer_scores(*args, precision="bf16"), ref.paged_indexer_scores(*args), TOL["bf16"])
+
+
+# ====================================================================== decode attention
+def csa_indices(num_entries: list[int], k: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, k] int64 of distinct random visible entries at random slots, -1 holes elsewhere."""
+    out = torch.full((len(num_entries), k), -1, dtype=torch.long)
+    for b, n in enumerate(num_entries):
+        take = min(n, k) - (1 if n >= 2 else 0)            # leave at least one hole where possible
+        slots = torch.randperm(k, generator=gen)[:take]
+        out[b, slots] = torch.randperm(n, generator=gen)[:take]
+    return out
+
+
+def attention_args(kind: str, kv_format: str, layer: int, heads: int, lens: tuple[int, ...], *,
+                   topk: int = 6, back: tuple[int, ...] | None = None, window: int | None = None):
+    """Arguments of decode_attention for a query at position len - 1 - back[b] of each request."""
+    mgr, batch = cache(kind, kv_format, "bf16", lens)
+    cfg, sch, st, pool = mgr.cfg, mgr.schemas[layer], mgr.states[layer], mgr.paged.get(layer)
+    g = torch.Generator().manual_seed(heads * 10 + layer)
+    q = torch.randn(len(lens), heads, cfg.head_dim, generator=g).to(DEVICE)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    pos = batch.seq_lens - 1 - (torch.tensor(back, device=DEVICE, dtype=torch.int32) if back else 0)
+    indices = num_entries = None
+    max_entries = 0
+    if sch.compress_ratio:
+        max_entries = batch.seq_len_bound // sch.compress_ratio
+        num_entries = batch.seq_lens // sch.compress_ratio
+        if sch.indexer_format is not None:
+            indices = csa_indices([n // sch.compress_ratio for n in lens], topk, g).to(DEVICE)
+            num_entries = None
+    return (q, st.swa, sch.kv_format, st.swa_pos, batch.request_slots, pos.int(), window or cfg.sliding_window,
+            pool.kv if pool is not None else None, batch.block_table if pool is not None else None,
+            sch.entries_per_block, indices, num_entries, max_entries, sinks, cfg.head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+@pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
+def test_attention_tiny(kv_format, layer, num_splits):
+    args = attention_args("tiny", kv_format, layer, 4, TINY_LENS)
+    out = tri.decode_attention(*args, num_splits=num_splits)
+    close(out, ref.decode_attention(*args), TOL["ieee" if kv_format == "fp32" else "bf16"])
+
+
+@pytest.mark.parametrize("heads,block_h", [(16, 16), (64, 16), (64, 64)])
+def test_attention_heads(heads, block_h):
+    """Several head blocks per request (each program reads the same key tiles)."""
+    args = attention_args("tiny", "fp8_ds", CSA, heads, TINY_LENS)
+    close(tri.decode_attention(*args, block_h=block_h, num_splits=2), ref.decode_attention(*args), TOL["bf16"])
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x2", "bf16"])
+def test_attention_precision(precision):
+    args = attention_args("tiny", "bf16", HCA, 4, TINY_LENS)
+    close(tri.decode_attention(*args, precision=precision), ref.decode_attention(*args), TOL[precision])
+
+
+def test_attention_window_edges():
+    """Queries behind the ring's newest row (rows with pos > t masked) and a window shorter than
+    the ring (rows with pos <= t - window masked)."""
+    back = (0, 2, 0, 1, 5, 0, 3, 1, 7)
+    for window in (16, 9):
+        args = attention_args("tiny", "fp32", HCA, 4, TINY_LENS, back=back, window=window)
+        close(tri.decode_attention(*args), ref.decode_attention(*args), TOL["ieee"])
+
+
+@pytest.mark.parametrize("layer,kv_format", [(SWA, "fp8_ds"), (CSA, "fp8_ds"), (HCA, "fp8_ds"), (CSA, "fp32"),
+                                             (HCA, "bf16")], ids=["swa", "csa", "hca", "csa-fp32", "hca-bf16"])
+def test_attention_real_dims(layer, kv_format):
+    """D = 512 (448 e4m3 + 64 bf16), W = 128 and m' = 128 boundaries; K = 16 with holes."""
+    args = attention_args("real", kv_format, layer, 8, REAL_LENS, topk=16)
+    out = tri.decode_attention(*args, num_splits=2 if layer == HCA else 1)
+    close(out, ref.decode_attention(*args), TOL["ieee" if kv_format == "fp32" else "bf16"])
+
+
+def test_attention_real_dims_64_heads():
+    """V4-Flash head count at D 512: four head blocks of 16, two splits, one combine."""
+    args = attention_args("real", "fp8_ds", HCA, 64, REAL_LENS)
+    close(tri.decode_attention(*args, num_splits=2, block_h=16), ref.decode_attention(*args), TOL["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+@pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
+def test_attention_64_heads_long(kv_format, layer):
+    """V4-Flash shapes: 64 heads, D 512, K 512, long HCA lists (default tuning, split-K)."""
+    lens = (1, 129, 4097, 20000)
+    args = attention_args("real", kv_format, layer, 64, lens, topk=512)
+    tol = TOL["ieee" if kv_format == "fp32" else "bf16"]
+    close(tri.decode_attention(*args), ref.decode_attention(*args), tol)
+    for splits in (1, 7):
+        close(tri.decode_attention(*args, num_splits=splits), ref.decode_attention(*args), tol)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    """Both ops captured once replay correctly after the metadata changes in place."""
+    args = list(attention_args("real", "fp8_ds", HCA, 64, (129, 4097, 20000)))
+    sargs = list(scores_args("real", "mxfp4", (129, 4097, 20000), 64))
+    for _ in range(2):      # compile and warm up outside the capture
+        tri.decode_attention(*args), tri.paged_indexer_scores(*sargs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.decode_attention(*args)
+        scores = tri.paged_indexer_scores(*sargs)
+    for shrink in (0, 1, 3):
+        args[5].sub_(shrink)                    # positions
+        args[11].copy_((args[5] + 1) // 128)    # HCA num_entries
+        sargs[5].copy_((args[5] + 1) // 4)      # CSA num_entries
+        args[0].normal_(), sargs[0].normal_()
+        graph.replay()
+        close(out, ref.decode_attention(*args), TOL["bf16"])
+        close(scores, ref.paged_indexer_scores(*sargs), TOL["bf16x2"])
+
+
+# ====================================================================== errors
+def test_format_errors():
+    sargs = scores_args("tiny", "mxfp4", TINY_LENS[:3], 4)
+    mgr, _ = cache("tiny", "bf16", "mxfp4", TINY_LENS[:3])
+    with pytest.raises(FormatError, match="indexer formats"):
+        tri.paged_indexer_scores(sargs[0], sargs[1], sargs[2], mgr.schemas[CSA].kv_format, *sargs[4:])
+    aargs = attention_args("tiny", "bf16", HCA, 4, TINY_LENS[:3])
+    with pytest.raises(FormatError, match="main-entry formats"):
+        tri.decode_attention(*aargs[:2], mgr.schemas[CSA].indexer_format, *aargs[3:])
+    with pytest.raises(InputError, match="precision"):
+        tri.decode_attention(*aargs, precision="fp16")
+    with pytest.raises(InputError, match="kv_views"):
+        tri.decode_attention(*aargs[:7], None, None, *aargs[9:])
