@@ -162,7 +162,7 @@ def test_rounding_ties_match_reference(device: str):
     sub[:, ::3] *= -1
     # nvfp4 groups whose e4m3 scale is normal, subnormal, or rounds to 0 (stored as 2^-9).
     nv = torch.randn(2, 128) * torch.tensor([1e4, 1.0, 0.1, 0.01, 1e-3, 1e-4, 0.0, 3.0]).repeat_interleave(16)
-    for fmt, x in ((fp8_ds, rows), (fp8, torch.cat([e4, e4], 1).to(device)), (mxfp4, torch.cat([e2, sub]).to(device)),
+    for fmt, x in ((fp8_ds, rows), (fp8, torch.cat([e4, e4], 1).to(device)), (mxfp4, torch.cat([e2, sub.to(device)])),
                    (EntryFormat(name="nvfp4", dim=128), nv.to(device))):
         n = x.shape[0]
         block_table = torch.tensor([[1]], dtype=torch.int32, device=device)

@@ -54,6 +54,8 @@ class KVCacheManager:
             raise ConfigError(f"backend={backend!r} is not one of {BACKENDS}")
         self.cfg, self.backend = cfg, backend
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never cuda
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tokens_per_block = tokens_per_block
         self.max_requests = max_requests
         self.max_batch_tokens = max_batch_tokens

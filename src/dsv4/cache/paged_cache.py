@@ -26,6 +26,7 @@ class PagedKVPool:
         epb = schema.entries_per_block
         self.kv_pages = torch.zeros(num_blocks, schema.kv_page_bytes, dtype=torch.uint8, device=self.device)
         self.kv = schema.kv_format.views(self.kv_pages, epb)          # {region: [nb, epb, bytes]}
+        self.device = self.kv_pages.device  # the device tensors report ("cuda:0", not "cuda")
         self.indexer_pages: torch.Tensor | None = None
         self.indexer: dict[str, torch.Tensor] | None = None
         if schema.indexer_format is not None:

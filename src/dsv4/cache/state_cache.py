@@ -29,6 +29,7 @@ class StateCachePool:
         self.swa = schema.kv_format.views(self.swa_pages, w)          # {region: [R, W, bytes]}
         self.swa_pos = torch.full((max_requests, w), -1, dtype=torch.int32, device=dev)
         self.swa_head = torch.zeros(max_requests, dtype=torch.int32, device=dev)
+        self.device = self.swa_head.device  # the device tensors report ("cuda:0", not "cuda")
         p = schema.pending_entries
         self.comp_state: torch.Tensor | None = None
         self.idx_state: torch.Tensor | None = None
