@@ -83,14 +83,23 @@ def test_triton_matches_reference_tiny(layer, fmts):
 @pytest.mark.parametrize("fmts", [("fp32", "fp32"), ("fp8_ds", "mxfp4")])
 @pytest.mark.parametrize("layer", [0, 1, 2])
 def test_triton_matches_hf_real_dims(layer, fmts):
-    """Real geometry (D 512, W 128, m 4, m' 128) across 127/128/129 and 255/256/257, vs HF fp32."""
+    """Real geometry (D 512, W 128, m 4, m' 128) across 127/128/129 and 255/256/257.
+
+    fp32 formats: against HF fp32. Quantised formats: against the reference path with the same
+    formats (FP4 indexer keys legitimately change CSA top-k sets vs fp32, by ~10% rel-L2 on the
+    output; that is the format's effect, measured in tests/test_attention.py, not the kernels').
+    """
     cfg = real_dims_config()
     w, xs, sched = _case(cfg, layer, {"a": 250, "b": 126}, 9)
     tri = _run(cfg, layer, w, xs, sched, "triton", fmts)
+    ref_q = None if fmts[0] == "fp32" else _run(cfg, layer, w, xs, sched, "reference", fmts)
     for r, n in (("a", 250), ("b", 126)):
-        ref = hf_oracle.run_hf(cfg, layer, w, xs[r], [n] + [1] * 9)
-        err = _rel_l2(tri[r], ref)
-        assert err <= (1e-4 if fmts[0] == "fp32" else 5e-2), (r, err)
+        if ref_q is None:
+            err = _rel_l2(tri[r], hf_oracle.run_hf(cfg, layer, w, xs[r], [n] + [1] * 9))
+            assert err <= 1e-4, (r, err)
+        else:
+            err = _rel_l2(tri[r], ref_q[r])
+            assert err <= 2e-2, (r, err)
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])
