@@ -89,7 +89,7 @@ def run_dsv4(
         def restore():  # drop the instance attribute: the class method shows through again
             delattr(indexer, "select")
 
-    done = {rid: 0 for rid in requests}
+    done = dict.fromkeys(requests, 0)
     outs: dict[str, list[torch.Tensor]] = {rid: [] for rid in requests}
     tops: dict[str, list[torch.Tensor]] = {rid: [] for rid in requests}
     try:

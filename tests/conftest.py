@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hf_oracle, ...) by name
 
-from dsv4 import DSV4Config  # noqa: E402
+from dsv4 import DSV4Config
 
 
 def tiny_config(**over) -> DSV4Config:

@@ -150,7 +150,8 @@ def _check_fp32_topk(case: str, ours: torch.Tensor, score: torch.Tensor, k: int,
     for name, sel in others.items():
         theirs = topk_sets(sel)
         for t in torch.nonzero(gap > TIE_REL).flatten().tolist():
-            assert theirs[t] == exact[t], f"{case}: {name} query {t} picked {sorted(theirs[t])}, exact {sorted(exact[t])}"
+            assert theirs[t] == exact[t], (
+                f"{case}: {name} query {t} picked {sorted(theirs[t])}, exact {sorted(exact[t])}")
     _record(case, "csa", "topk == exact (non-tied)", float(clear.sum()), None)
 
 

@@ -104,7 +104,8 @@ def test_compressed_entries_carry_rope_at_window_start(kind):
         e = max_rel(got, want)
         assert e <= 1e-5, f"{kind} {what}: {e:.2e} from RoPE at w*m"
         assert max_rel(got, plain) > 1e-2, f"{kind} {what}: stored without RoPE"
-        assert max_rel(got, _rope_ref(plain, start + m - 1, inv)) > 1e-3, f"{kind} {what}: RoPE at the window's last token"
+        assert max_rel(got, _rope_ref(plain, start + m - 1, inv)) > 1e-3, (
+            f"{kind} {what}: RoPE at the window's last token")
 
 
 @pytest.mark.parametrize("kind,chunks", [("csa", [3, 5, 2]), ("csa", [3, 5, 2, 9, 13]),

@@ -9,7 +9,7 @@ Public entry points::
 from dsv4.errors import DSV4Error
 from dsv4.model.config import DSV4Config
 
-__all__ = ["DSV4Config", "KVCacheManager", "DSV4Error"]
+__all__ = ["DSV4Config", "DSV4Error", "KVCacheManager"]
 __version__ = "0.1.0"
 
 

@@ -148,7 +148,8 @@ def _print_plan(plan, rows, *, plot: str | None) -> None:
         entry = "-" if not lt.compress_ratio else f"{lt.main_entry_bytes}" + (
             f"+{lt.indexer_entry_bytes}" if lt.indexer_entry_bytes else "")
         t.add_row(lt.attn_type.upper(), str(lt.layers), str(lt.compress_ratio or "-"), entry,
-                  f"{lt.bytes_per_token_per_layer:,.6g}" if lt.compress_ratio else "-", n(lt.bytes_per_token, 2), n(lt.state_bytes_per_layer),
+                  f"{lt.bytes_per_token_per_layer:,.6g}" if lt.compress_ratio else "-", n(lt.bytes_per_token, 2),
+                  n(lt.state_bytes_per_layer),
                   n(lt.state_bytes_per_layer * lt.layers))
     t.add_row("total", str(sum(lt.layers for lt in plan.layer_types)), "", "", "",
               n(plan.compressed_bytes_per_token, 2), "", n(plan.state_bytes_per_request), style="bold")

@@ -189,7 +189,8 @@ def plan_memory(config: DSV4Config, *, context: int, memory_bytes: int, kv_forma
         num_blocks = 0  # nothing fits: the manager would refuse this budget
     return MemoryPlan(
         model=config.name, kv_format=kv_format, indexer_format=indexer_format, tokens_per_block=tokens_per_block,
-        context=context, memory_bytes=memory_bytes, max_requests_cap=max_requests, layer_types=_layer_type_plans(schemas),
+        context=context, memory_bytes=memory_bytes, max_requests_cap=max_requests,
+        layer_types=_layer_type_plans(schemas),
         compressed_bytes_per_token=sum(s.compressed_bytes_per_token for s in schemas),
         paged_bytes_per_token=block_bytes / tokens_per_block, block_bytes=block_bytes,
         state_bytes_per_request=state, blocks_per_request=per_req, bytes_per_request=per_req * block_bytes + state,

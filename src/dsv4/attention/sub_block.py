@@ -108,7 +108,7 @@ class AttentionSubBlock(nn.Module):
         cache.write_swa(kv)
         new_kv = cache.schema.kv_format.roundtrip(kv.float())
 
-        comp_kv = comp_valid = selected = None
+        comp_kv = selected = None
         if self.compressor is not None:
             ops = self._ops(cache)
             st = cache.state
@@ -117,7 +117,7 @@ class AttentionSubBlock(nn.Module):
             if self.spec.attn is AttentionType.CSA:
                 ikeys, _, _ = self.compressor.indexer.compress(x, batch, st.idx_state, self.rope, ops)
             cache.flush_compression(entries, ereq, eidx, ikeys)
-            comp_kv, comp_valid = cache.gather_all_compressed_kv()
+            comp_kv, _ = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:
                 selected = self.compressor.indexer.select(x, q_res, cache, self.rope, cos, sin)
 

@@ -99,7 +99,7 @@ class EntryFormat:
         uint8 [..., D/2], `scale` UE8M0 uint8 [..., D/32]. fp8: `data` e4m3 [..., D], `scale` fp32 [..., 1].
         nvfp4: `data` [..., D/2] uint8, `scale` e4m3 [..., D/16], `global` fp32 [..., 1].
         """
-        n, r = self.dim - self.rope_dim, self.rope_dim
+        n = self.dim - self.rope_dim
         if self.name == "fp8_ds":
             kv = views["kv"]
             return {"nope": kv[..., :n].view(torch.float8_e4m3fn), "rope": kv[..., n:].view(torch.bfloat16),
@@ -149,7 +149,8 @@ def _check_dims(name: str, dim: int, rope_dim: int) -> None:
     if name in ("mxfp4", "nvfp4") and dim % 32:
         raise FormatError(f"{name} needs an indexer head dim that is a multiple of 32, got {dim}")
     if name in ("mxfp4", "nvfp4", "fp8") and (dim & (dim - 1)):
-        raise FormatError(f"{name} rotates keys by a Hadamard matrix: indexer head dim must be a power of two, got {dim}")
+        raise FormatError(f"{name} rotates keys by a Hadamard matrix: indexer head dim must be a power of two, "
+                          f"got {dim}")
 
 
 def _fp8_ds_regions(dim: int, rope: int) -> tuple[Region, ...]:

@@ -153,7 +153,8 @@ def compute_block_budget(config: DSV4Config, schedule: list[LayerSpec] | None = 
                          indexer_format_name: str = "mxfp4") -> dict[str, int]:
     """Blocks and bytes for `max_concurrent_requests` requests of `max_context_tokens` tokens.
 
-    Returns a dict with `blocks_per_request` (the manager's rule, `blocks_needed`), `num_blocks` (incl. the null block 0),
+    Returns a dict with `blocks_per_request` (the manager's rule, `blocks_needed`), `num_blocks`
+    (incl. the null block 0),
     `block_bytes` (one block id across all layers), `state_bytes_per_request`, `paged_bytes`,
     `state_bytes` and `total_bytes`.
     """

@@ -40,7 +40,7 @@ def triton_available() -> bool:
 def _namespace(kind: str) -> types.SimpleNamespace:
     if kind == "reference":
         return _reference()
-    from dsv4.kernels.triton import ops  # noqa: PLC0415 (imports triton, only when asked for)
+    from dsv4.kernels.triton import ops
     return ops.namespace()
 
 

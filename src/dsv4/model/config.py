@@ -174,7 +174,7 @@ def _fields_from_hf_dict(d: dict[str, Any]) -> dict[str, Any]:
     if "qk_rope_head_dim" in d:
         rope_dim = int(d["qk_rope_head_dim"])
     elif d.get("partial_rotary_factor") is not None:
-        rope_dim = int(round(head_dim * float(d["partial_rotary_factor"])))
+        rope_dim = round(head_dim * float(d["partial_rotary_factor"]))
     else:
         rope_dim = 64
     out: dict[str, Any] = dict(
@@ -185,7 +185,8 @@ def _fields_from_hf_dict(d: dict[str, Any]) -> dict[str, Any]:
         sliding_window=int(d.get("sliding_window", 128)), csa_compression_ratio=csa, hca_compression_ratio=hca,
         index_n_heads=int(d.get("index_n_heads", 64)), indexer_head_dim=int(d.get("index_head_dim", 128)),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 1048576)), name=str(d.get("_name_or_path") or "hf"),
+        max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
+        name=str(d.get("_name_or_path") or "hf"),
     )
     rp = d.get("rope_parameters") or {}
     main = rp.get("main") if isinstance(rp.get("main"), dict) else None

@@ -52,7 +52,8 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
                            torch.stack([torch.where(cl, na, a), torch.where(cl, zero, na)], 1)], 1)
     else:
         cl = closes[:, None]
-        new = torch.stack([torch.where(cl, empty_m, m), torch.where(cl, zero, s), torch.where(cl, zero, a)], 1)[:, :, None]
+        new = torch.stack([torch.where(cl, empty_m, m), torch.where(cl, zero, s), torch.where(cl, zero, a)], 1)
+        new = new[:, :, None]
     state[slots] = new
     return entries, entry_index
 
