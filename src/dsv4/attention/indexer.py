@@ -8,12 +8,13 @@ leaves every score unchanged in exact arithmetic.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
 from dsv4.attention.compressor import Compressor
 from dsv4.cache.handle import LayerCacheHandle
-from dsv4.kernels.reference.indexer import indexer_topk
 from dsv4.model.config import DSV4Config
 from dsv4.model.rope import RopeTable, apply_rope
 
@@ -35,7 +36,7 @@ class Indexer(Compressor):
         self.scorer = _Scorer(cfg.hidden_size, cfg.index_n_heads)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, cache: LayerCacheHandle, rope: RopeTable,
-               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+               cos: torch.Tensor, sin: torch.Tensor, ops: types.SimpleNamespace) -> torch.Tensor:
         """Top-k entries per query token, after this step's keys were flushed.
 
         Args:
@@ -48,6 +49,8 @@ class Indexer(Compressor):
         q = apply_rope(q, cos[:, None], sin[:, None]).float()
         q = cache.schema.indexer_format.to_stored_basis(q)
         g = self.scorer.weights_proj(x).float() * self.heads ** -0.5
-        keys, _ = cache.gather_all_indexer_keys()
         n_entries = tuple(s // self.ratio for s in b.seq_lens_host)
-        return indexer_topk(q, g, keys, b.positions, b.query_lens_host, n_entries, self.ratio, self.topk)
+        pool, sch = cache.paged, cache.schema
+        return ops.prefill_indexer_topk(q, g, pool.indexer, sch.indexer_format, b.block_table, b.token_request,
+                                        b.positions, b.query_lens_host, n_entries, self.ratio, self.topk,
+                                        sch.entries_per_block)

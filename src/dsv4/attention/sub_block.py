@@ -119,7 +119,7 @@ class AttentionSubBlock(nn.Module):
             cache.flush_compression(entries, ereq, eidx, ikeys)
             comp_kv, _ = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:
-                selected = self.compressor.indexer.select(x, q_res, cache, self.rope, cos, sin)
+                selected = self.compressor.indexer.select(x, q_res, cache, self.rope, cos, sin, ops)
 
         o = torch.empty(t, nh, dh, dtype=torch.float32, device=x.device)
         w, ratio = cfg.sliding_window, self.spec.compress_ratio

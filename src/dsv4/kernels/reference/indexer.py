@@ -43,3 +43,24 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
             out[c0:c1, :k] = torch.where(picked == float("-inf"), torch.full_like(order, -1), order)
         t0 += n_q
     return out
+
+
+def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
+                         block_table: torch.Tensor, token_request: torch.Tensor, positions: torch.Tensor,
+                         query_lens: tuple[int, ...], num_entries: tuple[int, ...], ratio: int, topk: int,
+                         epb: int) -> torch.Tensor:
+    """Indexer selection for any batch (prefill chunks and decode tokens), keys read from the pool.
+
+    Args:
+        q: [T, H, D_I] fp32 in the keys' stored basis; weights: [T, H] fp32.
+        idx_views: the indexer pool's region views; block_table: [B, max_blocks]; token_request,
+            positions: [T]; query_lens / num_entries: host ints per request (entries finished
+            after this step's flush).
+    Returns:
+        [T, topk] int64, -1 padded (see `indexer_topk`).
+    """
+    from dsv4.kernels.reference.cache_ops import gather_all_entries  # noqa: PLC0415 (no import cycle at load)
+
+    n_max = max(num_entries, default=0)
+    keys, _ = gather_all_entries(idx_views, fmt, torch.tensor(num_entries, device=q.device), n_max, block_table, epb)
+    return indexer_topk(q, weights, keys, positions, query_lens, num_entries, ratio, topk)

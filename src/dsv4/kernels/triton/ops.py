@@ -9,12 +9,14 @@ from __future__ import annotations
 import types
 
 from dsv4.kernels.reference.decode import topk_smaller_index
-from dsv4.kernels.triton import cache_ops, compress, decode, gather
+from dsv4.kernels.triton import cache_ops, compress, decode, gather, indexer_prefill
 
 
 def namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name="triton", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
         compress_update=compress.compress_update, gather_window=gather.gather_window,
-        gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,        compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
-        topk_smaller_index=topk_smaller_index, decode_attention=decode.decode_attention)
+        gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
+        compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
+        topk_smaller_index=topk_smaller_index, decode_attention=decode.decode_attention,
+        prefill_indexer_topk=indexer_prefill.prefill_indexer_topk)
