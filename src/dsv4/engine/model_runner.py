@@ -121,7 +121,9 @@ class ModelRunner:
         self.hc_mult = int(model.config.hc_mult)
         self.use_graphs = cuda_graphs and manager.device.type == "cuda"
         self.graph_status = "on" if self.use_graphs else ("off" if manager.device.type == "cuda" else "n/a (cpu)")
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # key -> (graph, static token ids, static logit rows, static logits); the graph reads and
+        # writes exactly these tensors' memory, so the entry keeps them alive.
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._warm: set[tuple[int, int]] = set()
         self._pool = None
         self.replays = 0
@@ -150,8 +152,8 @@ class ModelRunner:
                     self.use_graphs = False
                     self.graph_status = f"off (capture failed: {str(e).splitlines()[0][:120]})"
                     return self.forward_eager(token_ids, batch, rows)
-                self._graphs[key] = (graph, static_ids, out)
-            graph, static_ids, out = self._graphs[key]
+                self._graphs[key] = (graph, static_ids, rows, out)
+            graph, static_ids, _, out = self._graphs[key]
             static_ids.copy_(token_ids)
             graph.replay()
         self.replays += 1
