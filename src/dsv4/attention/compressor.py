@@ -16,7 +16,7 @@ from torch import nn
 
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
-from dsv4.model.rope import RopeTable, apply_rope
+from dsv4.model.rope import RopeTable
 
 
 class Compressor(nn.Module):
@@ -46,6 +46,5 @@ class Compressor(nn.Module):
         z = self.gate_proj(x).float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
         entries, req, idx = ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
                                             batch.query_lens_host, self.ratio, self.overlap)
-        entries = self.kv_norm(entries)
         cos, sin = rope.cos_sin(idx * self.ratio)
-        return apply_rope(entries, cos, sin), req, idx
+        return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin), req, idx

@@ -13,7 +13,7 @@ import torch
 from dsv4.attention.compressor import Compressor
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.model.layer_schedule import AttentionType
-from dsv4.model.rope import RopeTable, apply_rope
+from dsv4.model.rope import RopeTable
 
 if TYPE_CHECKING:
     import types
@@ -27,7 +27,7 @@ def _compress_step(comp: Compressor, x: torch.Tensor, cache: LayerCacheHandle, s
     z = comp.gate_proj(x).float() + comp.position_bias.float()[(b.positions % comp.ratio).long()]
     entries, eidx = ops.compress_decode(c, z, state, b.request_slots, b.positions, comp.ratio, comp.overlap)
     cos, sin = rope.cos_sin(eidx.clamp(min=0) * comp.ratio)
-    return apply_rope(comp.kv_norm(entries), cos, sin), eidx
+    return ops.norm_rope(entries, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin), eidx
 
 
 def decode_attend(blk, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
@@ -61,7 +61,8 @@ def decode_attend(blk, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv
             keys, kidx = _compress_step(idx, x, cache, st.idx_state, blk.rope, ops)
             ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb)
             qi = idx.q_b_proj(q_res).view(x.shape[0], idx.heads, idx.dim)
-            qi = sch.indexer_format.to_stored_basis(apply_rope(qi, cos[:, None], sin[:, None]).float())
+            qi = ops.norm_rope(qi, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
+            qi = sch.indexer_format.to_stored_basis(qi)
             g = idx.scorer.weights_proj(x).float() * idx.heads ** -0.5
             scores = ops.paged_indexer_scores(qi, g, pool.indexer, sch.indexer_format, b.block_table, num_entries,
                                               max_entries, epb)

@@ -16,7 +16,7 @@ from torch import nn
 from dsv4.attention.compressor import Compressor
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.model.config import DSV4Config
-from dsv4.model.rope import RopeTable, apply_rope
+from dsv4.model.rope import RopeTable
 
 
 class _Scorer(nn.Module):
@@ -46,7 +46,7 @@ class Indexer(Compressor):
         """
         b = cache.batch
         q = self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim)
-        q = apply_rope(q, cos[:, None], sin[:, None]).float()
+        q = ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
         q = cache.schema.indexer_format.to_stored_basis(q)
         g = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         n_entries = tuple(s // self.ratio for s in b.seq_lens_host)

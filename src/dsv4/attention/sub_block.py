@@ -18,7 +18,7 @@ from torch import nn
 from dsv4.attention.compressor import Compressor
 from dsv4.attention.decode_path import decode_attend
 from dsv4.attention.indexer import Indexer
-from dsv4.attention.layers import RMSNorm, grouped_output, rms_unweighted
+from dsv4.attention.layers import RMSNorm, grouped_output
 from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.errors import DeviceError, InputError
@@ -26,7 +26,7 @@ from dsv4.kernels.dispatch import ops_for
 from dsv4.kernels.reference.attention import attention_with_sink
 from dsv4.model.config import DSV4Config
 from dsv4.model.layer_schedule import AttentionType
-from dsv4.model.rope import RopeTable, apply_rope
+from dsv4.model.rope import RopeTable
 from dsv4.model.weights import deepseek_to_hf_names
 
 
@@ -84,21 +84,23 @@ class AttentionSubBlock(nn.Module):
         self._check(x, batch, cache)
         cfg = self.cfg
         t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        ops = self._ops(cache)
+        eps = cfg.rms_norm_eps
         cos, sin = self.rope.cos_sin(batch.positions)
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = rms_unweighted(self.q_b_proj(q_res).view(t, nh, dh), cfg.rms_norm_eps)
-        q = apply_rope_heads(q, cos, sin).float()
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        # q: unweighted RMSNorm per head, then RoPE (fp32 out); kv: weighted RMSNorm, then RoPE.
+        q = ops.norm_rope(self.q_b_proj(q_res).view(t, nh, dh), None, eps, cos, sin, out_dtype=torch.float32)
+        kv = ops.norm_rope(self.kv_proj(x), self.kv_norm.weight, eps, cos, sin)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, self._ops(cache))
+            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, ops)
         else:
-            o = self._attend_general(x, q, q_res, kv, cos, sin, batch, cache)
-        o = apply_rope_heads(o, cos, sin, inverse=True).to(x.dtype)
+            o = self._attend_general(x, q, q_res, kv, cos, sin, batch, cache, ops)
+        o = ops.norm_rope(o, None, eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
         return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
 
     def _attend_general(self, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle
-                        ) -> torch.Tensor:
+                        cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle,
+                        ops) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens (reference ops) -> [T, H, D] fp32."""
         cfg = self.cfg
         t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
@@ -110,7 +112,6 @@ class AttentionSubBlock(nn.Module):
 
         comp_kv = selected = None
         if self.compressor is not None:
-            ops = self._ops(cache)
             st = cache.state
             entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope, ops)
             ikeys = None
@@ -161,8 +162,3 @@ class AttentionSubBlock(nn.Module):
         if cache.schema.layer_idx != self.layer_idx or cache.batch is not batch:
             raise InputError(f"the cache handle is for layer {cache.schema.layer_idx} / another batch; "
                              f"use mgr.acquire({self.layer_idx}, batch)")
-
-
-def apply_rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE of [T, H, D] at the tokens' positions (cos/sin [T, r/2])."""
-    return apply_rope(x, cos[:, None], sin[:, None], inverse=inverse)

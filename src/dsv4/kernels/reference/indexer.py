@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.reference.cache_ops import gather_all_entries
+
 _QUERY_CHUNK = 256  # bounds the [chunk, H, N] score tensor
 
 
@@ -59,8 +61,6 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
     Returns:
         [T, topk] int64, -1 padded (see `indexer_topk`).
     """
-    from dsv4.kernels.reference.cache_ops import gather_all_entries  # noqa: PLC0415 (no import cycle at load)
-
     n_max = max(num_entries, default=0)
     keys, _ = gather_all_entries(idx_views, fmt, torch.tensor(num_entries, device=q.device), n_max, block_table, epb)
     return indexer_topk(q, weights, keys, positions, query_lens, num_entries, ratio, topk)
