@@ -29,7 +29,6 @@ What we found about HF's masks (transformers 5.23.0), and why `run_hf` always ha
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 
@@ -43,6 +42,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from dsv4 import DSV4Config
+from dsv4.model.hf_config import quiet_transformers, to_hf_config
 
 __all__ = [
     "HF_LAYER_TYPES",
@@ -66,66 +66,16 @@ def _layer_type(cfg: DSV4Config, layer_idx: int) -> str:
     return CSA if r == cfg.csa_compression_ratio else HCA
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    # HF warns that factor 16 != max_position_embeddings / original_max_position_embeddings for small
-    # test models; it then uses the explicit factor, which is what we want. Keep test logs clean.
-    old = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(old)
+_quiet_transformers = quiet_transformers
 
 
 def hf_config(cfg: DSV4Config, attn_implementation: str = "eager") -> transformers.DeepseekV4Config:
-    """A `transformers.DeepseekV4Config` whose attention is exactly `cfg`'s.
-
-    The MoE / vocab sizes are tiny: only `DeepseekV4Attention` is ever built from it. YaRN goes on the
-    compress rope only (HF's `__post_init__` nests a flat `rope_parameters` dict into
-    {"main": default θ=rope_theta, "compress": yarn θ=compress_rope_theta, attention_factor 1.0});
-    without the flat yarn dict HF would use plain RoPE for the compress table.
-    """
-    rope_parameters = None
-    if cfg.yarn_factor > 1.0:
-        rope_parameters = {
-            "rope_type": "yarn",
-            "factor": float(cfg.yarn_factor),
-            "original_max_position_embeddings": int(cfg.yarn_original_max_position),
-            "beta_fast": float(cfg.yarn_beta_fast),
-            "beta_slow": float(cfg.yarn_beta_slow),
-        }
-    with _quiet_transformers():
-        hc = transformers.DeepseekV4Config(
-            vocab_size=64,
-            hidden_size=cfg.hidden_size,
-            moe_intermediate_size=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=1,
-            head_dim=cfg.head_dim,
-            q_lora_rank=cfg.q_lora_rank,
-            layer_types=[_layer_type(cfg, i) for i in range(cfg.num_hidden_layers)],
-            compress_rates={CSA: cfg.csa_compression_ratio, HCA: cfg.hca_compression_ratio},
-            partial_rotary_factor=cfg.rope_dim / cfg.head_dim,
-            sliding_window=cfg.sliding_window,
-            o_groups=cfg.o_groups,
-            o_lora_rank=cfg.o_lora_rank,
-            index_n_heads=cfg.index_n_heads,
-            index_head_dim=cfg.indexer_head_dim,
-            index_topk=cfg.index_topk,
-            rope_theta=cfg.rope_theta,
-            compress_rope_theta=cfg.compress_rope_theta,
-            rope_parameters=rope_parameters,
-            max_position_embeddings=cfg.max_position_embeddings,
-            rms_norm_eps=cfg.rms_norm_eps,
-            attn_implementation=attn_implementation,
-        )
+    """A `transformers.DeepseekV4Config` whose attention is exactly `cfg`'s (`dsv4.model.hf_config`),
+    checked here: rope dims and the compress table's YaRN are what the oracle relies on."""
+    hc = to_hf_config(cfg, attn_implementation)
     assert hc.qk_rope_head_dim == cfg.rope_dim, (hc.qk_rope_head_dim, cfg.rope_dim)
     assert hc.rope_parameters["compress"]["rope_type"] == ("yarn" if cfg.yarn_factor > 1.0 else "default")
+    assert hc.layer_types == [_layer_type(cfg, i) for i in range(cfg.num_hidden_layers)]
     return hc
 
 

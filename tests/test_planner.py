@@ -265,3 +265,15 @@ def test_swa_only_model_has_no_blocks():
     assert plan.block_bytes == mgr.block_bytes == 0 and plan.blocks_per_request == 0
     assert plan.state_bytes_per_request == mgr.state_bytes_per_request
     assert plan.max_concurrent_requests == MiB // plan.state_bytes_per_request
+
+
+def test_hf_config_round_trip():
+    """DSV4Config -> transformers config -> DSV4Config is the identity (flash, pro, the test models)."""
+    from conftest import real_dims_config, tiny_config
+
+    from dsv4.model.hf_config import to_hf_config
+
+    for cfg in (DSV4Config.flash(), DSV4Config.pro(), tiny_config(), real_dims_config(),
+                tiny_config(yarn_factor=1.0)):
+        back = DSV4Config.from_hf(to_hf_config(cfg))
+        assert back == cfg, (cfg.name, back)
