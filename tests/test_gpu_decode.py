@@ -3,11 +3,11 @@ replay of decode steps vs eager decode. Skipped without a CUDA device (run throu
 
 from __future__ import annotations
 
+import hf_oracle
 import pytest
 import torch
-
-import hf_oracle
 from conftest import real_dims_config, tiny_config
+
 from dsv4 import KVCacheManager
 from dsv4.attention import AttentionSubBlock
 

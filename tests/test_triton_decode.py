@@ -34,12 +34,18 @@ from dsv4.cache.batch import ForwardBatch
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
+from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SWA, CSA, HCA = 0, 1, 2
 TINY_LENS = (1, 3, 16, 17, 18, 32, 33, 34, 100)
 REAL_LENS = (3, 128, 129, 130, 256, 257, 258)
 TOL = {"ieee": 1e-5, "tf32x3": 1e-5, "bf16x2": 1e-4, "bf16": 1e-2}
+
+
+def scores_tol(fmt: str) -> float:
+    """Tolerance of paged_indexer_scores at its default precision for `fmt`."""
+    return TOL["ieee" if fmt in ("fp32", "fp32_i") else DEFAULT_PRECISION]
 
 
 @functools.cache
@@ -101,8 +107,11 @@ def scores_args(kind: str, fmt: str, lens: tuple[int, ...], heads: int):
 def test_indexer_scores_formats(fmt, heads):
     args = scores_args("tiny", fmt, TINY_LENS, heads)
     out = tri.paged_indexer_scores(*args)
-    close(out, ref.paged_indexer_scores(*args), TOL["ieee" if fmt == "fp32" else "bf16x2"])
+    want = ref.paged_indexer_scores(*args)
+    close(out, want, scores_tol(fmt))
     assert torch.isinf(out[0]).all() and torch.isinf(out[1]).all()     # requests with 0 entries
+    if fmt != "fp32":
+        close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x2", "bf16"])
@@ -115,8 +124,16 @@ def test_indexer_scores_real_dims(precision):
 def test_indexer_scores_tiling(block_n, num_programs):
     """Programs stride over key tiles; tiles past a request's end only write -inf."""
     args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
-    out = tri.paged_indexer_scores(*args, block_n=block_n, num_programs=num_programs)
+    out = tri.paged_indexer_scores(*args, block_n=block_n, num_programs=num_programs, precision="bf16x2")
     close(out, ref.paged_indexer_scores(*args), TOL["bf16x2"])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_indexer_scores_e2m1_decode_variants(fmt):
+    """The fp8-based E2M1 decode (decode=1) gives the same scores as the fp16-based one."""
+    args = scores_args("tiny", fmt, TINY_LENS, 16)
+    want = ref.paged_indexer_scores(*args)
+    close(tri.paged_indexer_scores(*args, precision="bf16x2", decode=1), want, TOL["bf16x2"])
 
 
 @pytest.mark.gpu
@@ -124,9 +141,13 @@ def test_indexer_scores_tiling(block_n, num_programs):
 def test_indexer_scores_64_heads_long(fmt):
     lens = (1, 129, 4097, 20000)
     args = scores_args("real", fmt, lens, 64)
-    out = tri.paged_indexer_scores(*args)
-    close(out, ref.paged_indexer_scores(*args), TOL["ieee" if fmt == "fp32" else "bf16x2"])
-    close(tri.paged_indexer_scores(*args, precision="bf16"), ref.paged_indexer_scores(*args), TOL["bf16"])
+    want = ref.paged_indexer_scores(*args)
+    close(tri.paged_indexer_scores(*args), want, scores_tol(fmt))
+    close(tri.paged_indexer_scores(*args, precision="bf16"), want, TOL["bf16"])
+    if fmt != "fp32":
+        close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
+        for decode in (0, 1):     # both E2M1 decodes (exact): the same scores
+            close(tri.paged_indexer_scores(*args, precision="bf16x2", decode=decode), want, TOL["bf16x2"])
 
 
 # ====================================================================== decode attention
@@ -239,7 +260,7 @@ def test_cuda_graph_replay():
         args[0].normal_(), sargs[0].normal_()
         graph.replay()
         close(out, ref.decode_attention(*args), TOL["bf16"])
-        close(scores, ref.paged_indexer_scores(*sargs), TOL["bf16x2"])
+        close(scores, ref.paged_indexer_scores(*sargs), scores_tol("mxfp4"))
 
 
 # ====================================================================== errors

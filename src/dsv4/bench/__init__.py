@@ -81,7 +81,8 @@ def build_parser(prog: str = "dsv4 bench") -> argparse.ArgumentParser:
     p.add_argument("--indexer-format", default="mxfp4", choices=("mxfp4", "fp8", "nvfp4", "bf16", "fp32"))
     p.add_argument("--warmup-ms", type=float, help="do_bench warm-up budget (default 25; quick 5)")
     p.add_argument("--rep-ms", type=float, help="do_bench repetition budget (default 100; quick 20)")
-    p.add_argument("--reps", type=int, help="timed runs of multi-chunk prefills and of CPU timings (default 3; quick 2)")
+    p.add_argument("--reps", type=int,
+                   help="timed runs of multi-chunk prefills and of CPU timings (default 3; quick 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every row, the ceilings and the targets as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG chart (needs matplotlib)")
@@ -100,7 +101,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         layers=args.layers, backends=backends, prefill=prefill,
         prefill_chunk=args.prefill_chunk or d["chunk"], decode=not args.no_decode, hf=not args.no_hf,
         graph=not args.no_graph, quick=args.quick, kv_format=args.kv_format, indexer_format=args.indexer_format,
-        warmup_ms=args.warmup_ms or (5.0 if args.quick else 25.0), rep_ms=args.rep_ms or (20.0 if args.quick else 100.0),
+        warmup_ms=args.warmup_ms or (5.0 if args.quick else 25.0),
+        rep_ms=args.rep_ms or (20.0 if args.quick else 100.0),
         host_warmup=1, host_reps=args.reps or (2 if args.quick else 3), seed=args.seed)
 
 

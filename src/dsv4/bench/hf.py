@@ -19,7 +19,6 @@ all layers: an eager float mask over the window (0 = visible, finfo.min = hidden
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +26,8 @@ import torch
 
 from dsv4.attention import AttentionSubBlock
 from dsv4.model.config import DSV4Config
+from dsv4.model.hf_config import CSA, quiet_transformers, to_hf_config
 
-SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _STATE = ("keys", "values", "cumulative_length", "buffer_kv", "buffer_gate", "compressed_kv", "entry_count",
           "overlap_kv", "overlap_gate")
 
@@ -44,39 +43,12 @@ def import_hf() -> Any:
     return modeling_deepseek_v4
 
 
-@contextlib.contextmanager
-def _quiet():
-    import transformers
-    old = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(old)
+_quiet = quiet_transformers
 
 
 def hf_config(cfg: DSV4Config) -> Any:
-    """A `transformers.DeepseekV4Config` whose attention is `cfg`'s (as tests/hf_oracle.hf_config)."""
-    import transformers
-    names = {0: SWA, cfg.csa_compression_ratio: CSA, cfg.hca_compression_ratio: HCA}
-    rope = None
-    if cfg.yarn_factor > 1.0:
-        rope = {"rope_type": "yarn", "factor": float(cfg.yarn_factor),
-                "original_max_position_embeddings": int(cfg.yarn_original_max_position),
-                "beta_fast": float(cfg.yarn_beta_fast), "beta_slow": float(cfg.yarn_beta_slow)}
-    with _quiet():
-        return transformers.DeepseekV4Config(
-            vocab_size=64, hidden_size=cfg.hidden_size, moe_intermediate_size=16, n_routed_experts=4,
-            num_experts_per_tok=2, n_shared_experts=1, num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=1, head_dim=cfg.head_dim,
-            q_lora_rank=cfg.q_lora_rank, layer_types=[names[r] for r in cfg.compress_ratios],
-            compress_rates={CSA: cfg.csa_compression_ratio, HCA: cfg.hca_compression_ratio},
-            partial_rotary_factor=cfg.rope_dim / cfg.head_dim, sliding_window=cfg.sliding_window,
-            o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, index_n_heads=cfg.index_n_heads,
-            index_head_dim=cfg.indexer_head_dim, index_topk=cfg.index_topk, rope_theta=cfg.rope_theta,
-            compress_rope_theta=cfg.compress_rope_theta, rope_parameters=rope,
-            max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-            attn_implementation="eager")
+    """A `transformers.DeepseekV4Config` whose attention is `cfg`'s (eager attention)."""
+    return to_hf_config(cfg, "eager")
 
 
 class HFLayer:

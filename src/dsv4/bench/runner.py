@@ -49,7 +49,7 @@ class BenchContext:
             from dsv4.bench.hf import HFLayer
             try:
                 self._hf[kind] = HFLayer(self.cfg, self.blocks[kind])
-            except Exception as e:  # noqa: BLE001 - remembered, and reported by every case that asks
+            except Exception as e:
                 self._hf[kind] = None
                 self._hf_failure[kind] = short_reason(e)
                 self.skip(f"transformers {kind} layer", self._hf_failure[kind])
@@ -86,7 +86,7 @@ def probe_backends(opts: BenchOptions, skip: Callable[[str, str], None]) -> dict
             continue
         try:
             out[name] = ops_for(opts.device, name)
-        except Exception as e:  # noqa: BLE001 - a backend being written or missing is skipped, not fatal
+        except Exception as e:
             skip(f"backend {name}", f"import failed: {short_reason(e)}")
     return out
 

@@ -82,7 +82,7 @@ def build_decode_state(cfg: DSV4Config, *, context: int, batch: int, device: tor
     slots = torch.tensor(slot_ids, dtype=torch.long, device=device)
     for layer_idx, st in mgr.states.items():
         fill_state(st, mgr.schemas[layer_idx], slots, context - 1, gen)
-    step = mgr.prepare_forward({rid: 1 for rid in rids})
+    step = mgr.prepare_forward(dict.fromkeys(rids, 1))
     x = torch.randn(batch, cfg.hidden_size, device=device, generator=gen).to(torch.bfloat16)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -52,7 +52,7 @@ def guarded(fn: Callable[[], Any]) -> tuple[str, Any, str | None]:
         return "ok", fn(), None
     except Unavailable as e:
         return "skipped", None, str(e)
-    except Exception as e:  # noqa: BLE001 - every failure becomes a row status
+    except Exception as e:
         status, reason = ("oom" if is_oom(e) else "error"), short_reason(e)
     free_memory(collect=True)  # after the except block: the traceback's frames (and tensors) are gone
     return status, None, reason
@@ -81,7 +81,7 @@ class Timer:
             return Timing(us=eager, mode="eager")
         try:
             g = _capture(fn)
-        except Exception as e:  # noqa: BLE001 - capture is an optimisation: report and go on
+        except Exception as e:
             free_memory(collect=True)
             return Timing(us=eager, mode="eager", note=f"graph capture failed: {short_reason(e, 100)}")
         try:

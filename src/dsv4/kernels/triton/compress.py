@@ -1,15 +1,18 @@
 """Triton twin of `reference.compress.compress_update`: the chunked compressor state update.
 
 One program per (segment, channel block); a segment is one (request, entry) pair touched by
-this step, as in the reference. It walks the entry's slots in position order with the online
-softmax merge, starting from the stored pending state for the request's first segments:
+this step, as in the reference. It reduces the entry's slots with the online softmax, a tile of
+BLOCK_S slots at a time (a tile's max, then one merge into the running (M, S, A)), starting
+from the stored pending state for the request's first segments:
 
     HCA entry w:  tokens w*m' .. w*m'+m'-1                 (all channels)
-    CSA entry w:  [:D] of window w-1 tokens, then [D:] of window w tokens
+    CSA entry w:  [:D] of window w-1 tokens, then [D:] of window w tokens    (2m slots)
 
 Finished entries go to `entries`; pending ones to a fresh buffer that replaces the state rows
 afterwards (segments of one request read and write overlapping state rows, so writing in place
-would race). The segment table is built on the host from the batch's host ints: no sync.
+would race). The host sends only per-request ints (7 per request, one pinned asynchronous copy:
+no sync, no device read); each program finds its request and entry from them, and the programs
+of finished entries also write entry_request / entry_index. No per-entry host work.
 """
 
 from __future__ import annotations
@@ -20,105 +23,125 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge(m, s, a, z, c):
-    m2 = tl.maximum(m, z)
-    keep = tl.where(m == float("-inf"), 0.0, tl.exp(m - m2))
-    add = tl.where(z == float("-inf"), 0.0, tl.exp(z - m2))
-    return m2, s * keep + add, a * keep + c * add
-
-
-@triton.jit
-def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr,
-                     seg_req_ptr, seg_entry_ptr, seg_dst_ptr, seg_src_ptr,
-                     req_tok0_ptr, req_p0_ptr, req_p1_ptr, req_slot_ptr,
-                     stride_ct, stride_sr, stride_sk, stride_sp, D,
-                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, BLOCK_D: tl.constexpr):
+def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
+                     stride_ct, stride_sr, stride_sk, stride_sp, D, B,
+                     RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (segment, channel block). tab rows [8, B]: seg_base (B + 1 values), first, end,
+    fin_base, tok0, p0, p1 (see `_request_table`)."""
     seg = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs < D
-    b = tl.load(seg_req_ptr + seg)
-    w = tl.load(seg_entry_ptr + seg)
-    dst = tl.load(seg_dst_ptr + seg)      # >= 0: finished entry row; < 0: pending -(1 + index)
-    src = tl.load(seg_src_ptr + seg)      # stored pending index this segment starts from, or -1
-    tok0 = tl.load(req_tok0_ptr + b)
-    p0 = tl.load(req_p0_ptr + b)
-    p1 = tl.load(req_p1_ptr + b)
+    r = tl.arange(0, B_PAD)
+    ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)          # seg_base[b + 1]
+    b = tl.sum((ends <= seg).to(tl.int32), 0)                               # the request of this segment
+    local = seg - tl.load(tab_ptr + b)
+    row = tab_ptr + (B + 1) + b
+    first = tl.load(row)
+    end = tl.load(row + B)
+    fin_base = tl.load(row + 2 * B)
+    tok0 = tl.load(row + 3 * B)
+    p0 = tl.load(row + 4 * B)
+    p1 = tl.load(row + 5 * B)
     slot = tl.load(req_slot_ptr + b).to(tl.int64)
+    w = first + local
 
     m = tl.full((BLOCK_D,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_D,), tl.float32)
     a = tl.zeros((BLOCK_D,), tl.float32)
-    if src >= 0:
-        base = state_ptr + slot * stride_sr + src * stride_sp + offs
+    if local < NPEND:                   # starts from the stored pending entry `local`
+        base = state_ptr + slot * stride_sr + local * stride_sp + offs
         m = tl.load(base, mask=dmask, other=float("-inf"))
         s = tl.load(base + stride_sk, mask=dmask, other=0.0)
         a = tl.load(base + 2 * stride_sk, mask=dmask, other=0.0)
+    # slot j: OVERLAP -> j < m: [:D] of token (w-1)*m + j, j >= m: [D:] of token w*m + j - m
+    #         else    -> token w*m + j
+    NS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     if OVERLAP:
-        # [:D] halves of the previous window's tokens
-        for j in range(RATIO):
-            pos = (w - 1) * RATIO + j
-            if (pos >= p0) & (pos < p1):
-                t = (tok0 + pos - p0).to(tl.int64)
-                z = tl.load(z_ptr + t * stride_ct + offs, mask=dmask, other=float("-inf"))
-                c = tl.load(c_ptr + t * stride_ct + offs, mask=dmask, other=0.0)
-                m, s, a = _merge(m, s, a, z, c)
-    for j in range(RATIO):
-        pos = w * RATIO + j
-        if (pos >= p0) & (pos < p1):
-            t = (tok0 + pos - p0).to(tl.int64)
-            col = offs + D if OVERLAP else offs
-            z = tl.load(z_ptr + t * stride_ct + col, mask=dmask, other=float("-inf"))
-            c = tl.load(c_ptr + t * stride_ct + col, mask=dmask, other=0.0)
-            m, s, a = _merge(m, s, a, z, c)
-    if dst >= 0:
-        tl.store(out_ptr + dst.to(tl.int64) * D + offs, a / s, mask=dmask)
+        pos0 = (w - 1) * RATIO
     else:
-        p = (-1 - dst).to(tl.int64)         # row b * NPEND + k of the pending buffer
-        base = pend_ptr + p * 3 * D + offs
+        pos0 = w * RATIO
+    for s0 in tl.static_range(0, NS, BLOCK_S):
+        j = s0 + tl.arange(0, BLOCK_S)
+        pos = pos0 + j
+        ok = (j < NS) & (pos >= p0) & (pos < p1)
+        t = (tok0 + pos - p0).to(tl.int64)
+        if OVERLAP:
+            col = offs[None, :] + D * (j[:, None] >= RATIO).to(tl.int32)
+        else:
+            col = offs[None, :] + 0 * j[:, None]
+        msk = ok[:, None] & dmask[None, :]
+        z = tl.load(z_ptr + t[:, None] * stride_ct + col, mask=msk, other=float("-inf"))
+        c = tl.load(c_ptr + t[:, None] * stride_ct + col, mask=msk, other=0.0)
+        m2 = tl.maximum(m, tl.max(z, axis=0))
+        ms = tl.where(m2 == float("-inf"), 0.0, m2)            # no slot yet: keep exp finite
+        keep = tl.where(m == float("-inf"), 0.0, tl.exp(m - ms))
+        e = tl.where(msk, tl.exp(z - ms[None, :]), 0.0)
+        s = s * keep + tl.sum(e, axis=0)
+        a = a * keep + tl.sum(c * e, axis=0)
+        m = m2
+    if w < end:                          # finished: entry row fin_base + local, in (request, w) order
+        dst = (fin_base + local).to(tl.int64)
+        tl.store(out_ptr + dst * D + offs, a / s, mask=dmask)
+        first_block = tl.program_id(1) == 0
+        tl.store(ereq_ptr + dst, b.to(tl.int64), mask=first_block)
+        tl.store(eidx_ptr + dst, w.to(tl.int64), mask=first_block)
+    else:                                # pending k = w - end: row b * NPEND + k of the pending buffer
+        base = pend_ptr + (b * NPEND + w - end).to(tl.int64) * 3 * D + offs
         tl.store(base, m, mask=dmask)
         tl.store(base + D, s, mask=dmask)
         tl.store(base + 2 * D, a, mask=dmask)
 
 
+def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, npend: int
+                   ) -> tuple[list[int], int, int]:
+    """Per-request ints of one step, as the kernel reads them, and (segments, finished entries).
+
+    Request b (new tokens at positions [p0, p0 + n)) touches entries first = p0//m .. end + npend - 1
+    (end = (p0+n)//m), one segment each, numbered from seg_base[b]; those below `end` finish and
+    are rows fin_base[b] + (w - first) of `entries`; its tokens start at row tok0[b] of c and z.
+    Rows: seg_base (B + 1 values), first, end, fin_base, tok0, p0, p1.
+    """
+    seg_base, first, end, fin_base, tok0, p1 = [0], [], [], [], [], []
+    nfin = ntok = 0
+    for p0, n in zip(start_positions, query_lens):
+        f, e = p0 // ratio, (p0 + n) // ratio
+        first.append(f)
+        end.append(e)
+        fin_base.append(nfin)
+        tok0.append(ntok)
+        p1.append(p0 + n)
+        seg_base.append(seg_base[-1] + e + npend - f)
+        nfin += e - f
+        ntok += n
+    return seg_base + first + end + fin_base + tok0 + list(start_positions) + p1, seg_base[-1], nfin
+
+
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `dsv4.kernels.reference.compress.compress_update`."""
+                    start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
+                    *, block_d: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `dsv4.kernels.reference.compress.compress_update` (block_d: channels per
+    program, tuning)."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
-    seg_req, seg_entry, seg_dst, seg_src, e_req, e_idx = [], [], [], [], [], []
-    tok0, t, e = [], 0, 0
-    for b, (p0, n) in enumerate(zip(start_positions, query_lens)):
-        first, last = p0 // ratio, (p0 + n) // ratio + npend - 1      # entries touched: first..last
-        tok0.append(t)
-        t += n
-        for w in range(first, last + 1):
-            seg_req.append(b)
-            seg_entry.append(w)
-            seg_src.append(w - first if w - first < npend else -1)
-            if w < (p0 + n) // ratio:                                  # finished this step
-                seg_dst.append(e)
-                e_req.append(b)
-                e_idx.append(w)
-                e += 1
-            else:
-                seg_dst.append(-1 - (b * npend + w - (p0 + n) // ratio))
     bsz = len(query_lens)
-    i32 = dict(dtype=torch.int32, device=dev)
+    host, nseg, e = _request_table(start_positions, query_lens, ratio, npend)
+    cuda = dev.type == "cuda"
+    tab = torch.tensor(host, dtype=torch.int32, pin_memory=cuda).to(dev, non_blocking=True)
     entries = torch.empty(e, d, dtype=torch.float32, device=dev)
+    e_out = torch.empty(2, e, dtype=torch.int64, device=dev)                 # entry_request, entry_index
     pending = torch.empty(bsz * npend, 3, d, dtype=torch.float32, device=dev)
     c, z = c.float().contiguous(), z.float().contiguous()
     assert state.is_contiguous(), "the state cache is one contiguous tensor"
-    block_d = 128
-    grid = (len(seg_req), triton.cdiv(d, block_d))
-    _compress_kernel[grid](
-        c, z, state, entries, pending,
-        torch.tensor(seg_req, **i32), torch.tensor(seg_entry, **i32), torch.tensor(seg_dst, **i32),
-        torch.tensor(seg_src, **i32), torch.tensor(tok0, **i32),
-        torch.tensor(start_positions, **i32), torch.tensor([p + n for p, n in zip(start_positions, query_lens)], **i32),
-        request_slots.to(torch.int32).contiguous(),
-        c.stride(0), state.stride(0), state.stride(1), state.stride(2), d,
-        RATIO=ratio, OVERLAP=overlap, NPEND=npend, BLOCK_D=block_d)
-    state[request_slots.long()] = pending.view(bsz, npend, 3, d).transpose(1, 2)
-    as_long = dict(dtype=torch.long, device=dev)
-    return entries, torch.tensor(e_req, **as_long), torch.tensor(e_idx, **as_long)
+    ns = 2 * ratio if overlap else ratio
+    # short windows (CSA, 2m = 8 slots): whole rows per program (fewer, larger programs); long ones
+    # (HCA, 128 slots): 64 channels per program, 32 slots per step
+    block_d = block_d or (64 if ns >= 64 else min(triton.next_power_of_2(d), 512 if cuda else 128))
+    if nseg:
+        _compress_kernel[(nseg, triton.cdiv(d, block_d))](
+            c, z, state, entries, pending, e_out[0], e_out[1], tab, request_slots,
+            c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz,
+            RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
+            BLOCK_D=block_d, BLOCK_S=min(triton.next_power_of_2(ns), 32), num_warps=4)
+    state[request_slots] = pending.view(bsz, npend, 3, d).transpose(1, 2)
+    return entries, e_out[0], e_out[1]

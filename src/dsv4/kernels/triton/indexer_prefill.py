@@ -18,7 +18,7 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
                          query_lens: tuple[int, ...], num_entries: tuple[int, ...], ratio: int, topk: int,
                          epb: int) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.indexer.prefill_indexer_topk`."""
-    from dsv4.kernels.triton.ops import namespace  # noqa: PLC0415 (the kernels' module layout lives there)
+    from dsv4.kernels.triton.ops import namespace
 
     ops = namespace()
     n_max = max(num_entries, default=0)

@@ -1,15 +1,14 @@
 """The Triton op namespace: the same functions and signatures as the reference (see dispatch.py).
 
-`topk_smaller_index` stays a PyTorch op (torch.topk on packed int64 keys runs on the GPU and is
-capturable); everything that reads or writes cache bytes is a Triton kernel.
+Everything that reads or writes cache bytes is a Triton kernel; so is `topk_smaller_index` (an
+exact radix select, `dsv4.kernels.triton.topk`, identical to the reference's packed torch.topk).
 """
 
 from __future__ import annotations
 
 import types
 
-from dsv4.kernels.reference.decode import topk_smaller_index
-from dsv4.kernels.triton import cache_ops, compress, decode, gather, indexer_prefill
+from dsv4.kernels.triton import cache_ops, compress, decode, gather, indexer_prefill, norm_rope
 
 
 def namespace() -> types.SimpleNamespace:
@@ -18,5 +17,5 @@ def namespace() -> types.SimpleNamespace:
         compress_update=compress.compress_update, gather_window=gather.gather_window,
         gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
         compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
-        topk_smaller_index=topk_smaller_index, decode_attention=decode.decode_attention,
-        prefill_indexer_topk=indexer_prefill.prefill_indexer_topk)
+        topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
+        prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope)

@@ -20,6 +20,9 @@ One program per row (grid B), four phases over the row's N scores:
     sort      the min(k, N) picks are reloaded, packed (key << 32 | 2^31 - 1 - index) as the
               reference does, sorted descending by tl.sort, unpacked and written
 
+Rows longer than 2 x 4096 run in two stages (grid B x chunks, then B): each chunk's picks (in
+index order, unsorted), then the picks among all chunks' picks (see topk_smaller_index).
+
 Rows up to BLOCK scores are loaded once and kept in registers across the passes; longer rows are
 re-read per pass (from L2 while they fit). No host reads, fixed grid: capturable in a CUDA graph.
 """
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import InputError
+from dsv4.kernels.triton.decode_common import sm_count
 
 _NEG_INF_KEY = -2139095041          # the key of -inf: 0xFF800000 ^ 0x7FFFFFFF as int32
 
@@ -60,6 +64,32 @@ def _digit_hist(key, valid, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl
 
 
 @triton.jit
+def _load(row, irow, o, m, INDIRECT: tl.constexpr):
+    """Elements o of the program's row -> (keys, original indices): scores[o], or scores[cand[o]]."""
+    if INDIRECT:
+        idx = tl.load(irow + o, mask=m, other=0)
+    else:
+        idx = o.to(tl.int64)
+    return _keys(tl.load(row + idx, mask=m, other=0.0)), idx
+
+
+@triton.jit
+def _hist_pass(row, irow, key, offs, valid, n, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
+    """_digit_hist over the program's elements: the register-resident block, or block by block."""
+    if ONE_BLOCK:
+        h = _digit_hist(key, valid, thr, P, SHIFT, WIDTH)
+    else:
+        h = tl.zeros([32], tl.int32)
+        for start in range(0, n, BLOCK):
+            o = start + offs
+            m = o < n
+            k, _ = _load(row, irow, o, m, INDIRECT)
+            h += _digit_hist(k, m, thr, P, SHIFT, WIDTH)
+    return h
+
+
+@triton.jit
 def _pick_digit(h, need, thr, P: tl.constexpr, SHIFT: tl.constexpr):
     """The digit d holding the need-th largest matching key: thr gets d, need drops by the count above d."""
     b = tl.arange(0, 32)
@@ -74,71 +104,89 @@ def _pick_digit(h, need, thr, P: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(s_ptr, out_ptr, s_row, o_row, N, K,
-                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr):
+def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
+                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
+                 FINAL: tl.constexpr):
+    """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
+    written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
+    whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
+    and pads; else the picks in index order (a first stage)."""
     b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     row = s_ptr + b * s_row
-    orow = out_ptr + b * o_row
-    kk = tl.minimum(K, N)
+    irow = i_ptr + b * i_row + g * CHUNK
+    orow = out_ptr + b * o_row + g * K
+    if not INDIRECT:
+        row_e = row + g * CHUNK               # element j of the program is scores[b, g*CHUNK + j]
+    else:
+        row_e = row
+    n = tl.minimum(N - g * CHUNK, CHUNK)
+    kk = tl.minimum(K, n)
     offs = tl.arange(0, BLOCK)
+    valid = offs < n
     key = tl.zeros([BLOCK], tl.int32)
-    valid = offs < N
     if ONE_BLOCK:
-        key = _keys(tl.load(row + offs, mask=valid, other=0.0))
+        key, _ = _load(row_e, irow, offs, valid, INDIRECT)
 
     # ---- select: the exact key of the kk-th largest, 32 bits in 7 digits
     thr = tl.zeros([], tl.int32)
     need = kk
-    for p in tl.static_range(7):
-        shift: tl.constexpr = 27 - 5 * p if p < 6 else 0
-        width: tl.constexpr = 5 if p < 6 else 2
-        if ONE_BLOCK:
-            h = _digit_hist(key, valid, thr, p, shift, width)
-        else:
-            h = tl.zeros([32], tl.int32)
-            for start in range(0, N, BLOCK):
-                o = start + offs
-                m = o < N
-                h += _digit_hist(_keys(tl.load(row + o, mask=m, other=0.0)), m, thr, p, shift, width)
-        thr, need = _pick_digit(h, need, thr, p, shift)
+    for p in tl.static_range(6):          # digits: 6 x 5 bits (shifts 27 .. 2), then 2 bits (shift 0)
+        h = _hist_pass(row_e, irow, key, offs, valid, n, thr, p, 27 - 5 * p, 5, BLOCK, ONE_BLOCK, INDIRECT)
+        thr, need = _pick_digit(h, need, thr, p, 27 - 5 * p)
+    h = _hist_pass(row_e, irow, key, offs, valid, n, thr, 6, 0, 2, BLOCK, ONE_BLOCK, INDIRECT)
+    thr, need = _pick_digit(h, need, thr, 6, 0)
 
-    # ---- collect: keys > thr, then the first `need` keys == thr by index, at prefix-sum positions
+    # ---- collect: keys > thr, then the first `need` keys == thr by position, at prefix-sum positions
+    # (positions follow the original indices: rows directly, candidates chunk by chunk in that order)
     taken = tl.zeros([], tl.int32)
     eq_seen = tl.zeros([], tl.int32)
-    for start in range(0, N, BLOCK):
+    for start in range(0, n, BLOCK):
         o = start + offs
-        m = o < N
+        m = o < n
         if ONE_BLOCK:
             k = key
+            if INDIRECT:
+                idx = tl.load(irow + o, mask=m, other=0)
+            else:
+                idx = o.to(tl.int64)
         else:
-            k = _keys(tl.load(row + o, mask=m, other=0.0))
+            k, idx = _load(row_e, irow, o, m, INDIRECT)
+        if not INDIRECT:
+            idx = idx + g * CHUNK
         eq = (m & (k == thr)).to(tl.int32)
         take = (m & (k > thr)) | ((eq == 1) & (eq_seen + tl.cumsum(eq, 0) <= need))
         t = take.to(tl.int32)
-        tl.store(orow + taken + tl.cumsum(t, 0) - 1, o.to(tl.int64), mask=take)
+        tl.store(orow + taken + tl.cumsum(t, 0) - 1, idx, mask=take)
         taken += tl.sum(t, 0)
         eq_seen += tl.sum(eq, 0)
-    tl.debug_barrier()          # the picks written by every thread, before any thread reloads them
 
-    # ---- sort the picks in the reference's packed order, descending
-    j = tl.arange(0, K_PAD)
-    jm = j < kk
-    idx = tl.load(orow + j, mask=jm, other=0)
-    pk = _keys(tl.load(row + idx, mask=jm, other=0.0))
-    packed = (pk.to(tl.int64) << 32) | (2147483647 - idx)
-    packed = tl.where(jm, packed, -9223372036854775807 - 1)
-    packed = tl.sort(packed, descending=True)
-    sk = (packed >> 32).to(tl.int32)
-    si = 2147483647 - (packed & 0xFFFFFFFF)
-    res = tl.where((j < kk) & (sk != -2139095041), si, -1)
-    tl.store(orow + j, res, mask=j < K)
+    # ---- sort the picks in the reference's packed order, descending (FINAL only: a first stage's picks
+    # stay in index order, which is what the second stage's tie rule needs)
+    if FINAL:
+        tl.debug_barrier()      # the picks written by every thread, before any thread reloads them
+        j = tl.arange(0, K_PAD)
+        jm = j < kk
+        idx = tl.load(orow + j, mask=jm, other=0)
+        pk = _keys(tl.load(row + idx, mask=jm, other=0.0))
+        packed = (pk.to(tl.int64) << 32) | (2147483647 - idx)
+        packed = tl.where(jm, packed, -9223372036854775807 - 1)
+        packed = tl.sort(packed, descending=True)
+        sk = (packed >> 32).to(tl.int32)
+        si = 2147483647 - (packed & 0xFFFFFFFF)
+        si = tl.where((j < kk) & (sk != -2139095041), si, -1)
+        tl.debug_barrier()      # every thread has read the picks before any overwrites them
+        tl.store(orow + j, si, mask=j < K)
 
 
-def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None,
-                       num_warps: int | None = None) -> torch.Tensor:
+def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
+                       chunk: int | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
-    block, num_warps: scores per pass block (rows up to `block` stay in registers) and warps (tuning).
+    Long rows run in two stages: chunks of `chunk` scores each give their exact top-k (grid B x chunks,
+    the whole GPU busy even at B = 1), then the top-k of those candidates (every global pick is among
+    its chunk's picks; candidates keep index order chunk by chunk, so ties still go to the smaller
+    index). block, num_warps, chunk: tuning (chunk 0 = always one stage).
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
@@ -150,11 +198,39 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
         return out.fill_(-1)
     scores = scores.float().contiguous()
     cuda = scores.device.type == "cuda"
-    blk = block or min(triton.next_power_of_2(n), 16384 if cuda else 1024)
-    warps = num_warps or (16 if blk >= 8192 else 8) if cuda else 4
-    _topk_kernel[(bsz,)](scores, out, scores.stride(0), out.stride(0), n, k,
-                         BLOCK=blk, ONE_BLOCK=n <= blk, K_PAD=triton.next_power_of_2(k), num_warps=warps)
+    if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
+        ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
+    else:
+        ch = chunk
+    if ch and n > 2 * ch and ch >= k:
+        g = triton.cdiv(n, ch)
+        cand = torch.empty(bsz, g * k, dtype=torch.int64, device=scores.device)
+        _launch(scores, scores, cand, n, k, ch, g, False, False, block, num_warps, cuda)
+        n2 = (g - 1) * k + min(k, n - (g - 1) * ch)             # only the last chunk can be short
+        _launch(scores, cand, out, n2, k, n2, 1, True, True, block, num_warps, cuda)
+    else:
+        _launch(scores, scores, out, n, k, n, 1, False, True, block, num_warps, cuda)
     return out
+
+
+#: chunk length of the first stage on CUDA (rows longer than twice this run in two stages)
+DEFAULT_CHUNK = 4096
+
+
+def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, k: int, chunk: int, groups: int,
+            indirect: bool, final: bool, block: int | None, num_warps: int | None, cuda: bool) -> None:
+    blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
+    if num_warps:
+        warps = num_warps
+    elif not cuda:
+        warps = 4
+    else:   # few programs (small batch): latency-bound, more warps each; many: 8 warps share the SMs
+        few = scores.shape[0] * groups < sm_count(scores.device)
+        warps = 16 if blk >= 8192 or few else 8
+    _topk_kernel[(scores.shape[0], groups)](
+        scores, idx, out, scores.stride(0), idx.stride(0), out.stride(0), n, k, chunk,
+        BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect, FINAL=final,
+        num_warps=warps)
 
 
 __all__ = ["topk_smaller_index"]

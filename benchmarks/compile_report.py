@@ -1,0 +1,145 @@
+"""Registers, spills and tensor-core instructions of the decode kernels' variants, without a GPU.
+
+    python benchmarks/compile_report.py            # V4-Flash shapes, sm_90, the variants below
+
+Triton compiles for sm_90 on any machine (its wheel carries ptxas and cuobjdump): each op wrapper
+is called on CPU tensors of a small V4-shaped cache with its kernel launch intercepted, the
+captured arguments give the kernel signature, and the compiled cubin is read with
+`cuobjdump -res-usage` / `-sass`. The Triton here may be newer than the device's: a lead for
+what to time there, not a measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_DT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
+       torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+
+
+class _Capture:
+    def __init__(self, fn: Any):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, **kw: Any) -> None:
+            self.calls.append((args, kw))
+        return launch
+
+
+def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
+    names = fn.arg_names
+    sig, consts = {}, {}
+    for name, a in zip(names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _DT[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if abs(a) < 2**31 else "i64"
+        else:
+            sig[name] = "fp32"
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    for k, v in kw.items():
+        sig[k], consts[k] = "constexpr", v
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[-300:]}"
+    binp = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    res = subprocess.run([f"{binp}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([f"{binp}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    return {"reg": int(m[1]), "stack": int(m[2]), "smem": k.metadata.shared, "LDL": sass.count("LDL"),
+            "STL": sass.count("STL"), "HGMMA": sass.count("HGMMA"), "HMMA": sass.count("HMMA"),
+            "instr": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))}
+
+
+@contextlib.contextmanager
+def captured(module: Any, name: str):
+    orig = getattr(module, name)
+    cap = _Capture(orig)
+    setattr(module, name, cap)
+    try:
+        yield cap
+    finally:
+        setattr(module, name, orig)
+
+
+def report(label: str, module: Any, kname: str, call: Any) -> None:
+    with captured(module, kname) as cap:
+        call()
+    args, kw = cap.calls[0]
+    kw = dict(kw)
+    if "NATIVE" in kw:          # the wrappers saw CPU tensors: compile the GPU code path
+        kw["NATIVE"] = True
+    print(f"{label:<60} {compile_info(cap.fn, args, kw)}", flush=True)
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    from dsv4.bench import setup as bs
+    from dsv4.bench.common import LAYER_INDEX, bench_config
+    from dsv4.kernels.triton import decode_attention as att
+    from dsv4.kernels.triton import indexer_scores as sc
+    from dsv4.kernels.triton import topk
+
+    cfg, tpb = bench_config(False)
+    dev = torch.device("cpu")
+    st = bs.build_decode_state(cfg, context=2048, batch=2, device=dev, tokens_per_block=tpb, kv_format="fp8_ds",
+                               indexer_format="mxfp4")
+    mgr, b = st.mgr, st.batch
+    sch, pool = mgr.schemas[LAYER_INDEX["csa"]], mgr.paged[LAYER_INDEX["csa"]]
+    ifmt = sch.indexer_format
+    qi = torch.randn(2, 64, 128)
+    g = torch.randn(2, 64)
+    sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // 4, b.seq_len_bound // 4, 64)
+    which = sys.argv[1:] or ["scores", "attention", "topk"]
+    if "scores" in which:
+        for kw in [dict(precision="bf16x2", block_n=64, num_warps=8), dict(precision="bf16", block_n=64, num_warps=8),
+                   dict(precision="bf16", block_n=128, num_warps=8), dict(precision="bf16", block_n=64, num_warps=4),
+                   dict(precision="bf16", block_n=128, num_warps=4), dict(precision="bf16", block_n=32, num_warps=4),
+                   dict(precision="bf16", block_n=64, num_warps=8, decode=1),
+                   dict(precision="bf16", block_n=128, num_warps=8, decode=1)]:
+            report(f"scores {kw}", sc, "_indexer_scores_kernel",
+                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, **kw))
+    if "attention" in which:
+        for kind in ("csa", "hca"):
+            li = LAYER_INDEX[kind]
+            s2, stt, p2 = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+            sel = torch.arange(512).repeat(2, 1) if kind == "csa" else None
+            ne = None if kind == "csa" else b.seq_lens // s2.compress_ratio
+            aargs = (torch.randn(2, 64, 512), stt.swa, s2.kv_format, stt.swa_pos, b.request_slots, b.positions, 128,
+                     p2.kv, b.block_table, s2.entries_per_block, sel, ne, b.seq_len_bound // s2.compress_ratio,
+                     torch.randn(64), 512 ** -0.5)
+            for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),
+                              (64, 16, 8), (64, 16, 16), (16, 32, 4)]:
+                report(f"attention {kind} block_h={bh} block_n={bn} warps={w}", att, "_decode_attn_kernel",
+                       lambda bh=bh, bn=bn, w=w, aargs=aargs: att.decode_attention(
+                           *aargs, block_h=bh, block_n=bn, num_warps=w, num_splits=1, precision="bf16"))
+    if "topk" in which:
+        s = torch.randn(2, 40000)
+        for blk, w in [(16384, 16), (16384, 8), (8192, 16), (8192, 8), (4096, 8)]:
+            report(f"topk block={blk} warps={w}", topk, "_topk_kernel",
+                   lambda blk=blk, w=w: topk.topk_smaller_index(s, 512, block=blk, num_warps=w))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Variants of the decode-step kernels at V4-Flash shapes, timed in one device call (CUDA only).
+
+    python benchmarks/tune_decode.py [--contexts 131072] [--batches 1,64] [--quick-sweep] [--json out.json]
+
+For each (context, batch): a synthetic cache (`dsv4.bench.setup.build_decode_state`), then
+
+    topk      the reference's packed int64 torch.topk, fp32 torch.topk (not exact: ties), and the
+              Triton radix select for several (block, warps); every Triton result is checked to be
+              identical to the reference's
+    scores    paged_indexer_scores variants (precision, block_n, warps, stages, E2M1 decode,
+              programs per request); each checked against the bf16x2 result
+    attention decode_attention variants (CSA over a random top-k selection, HCA over all
+              entries): head block, key tile, warps, stages, splits; each checked against the
+              default's output
+    accuracy  score error of bf16 / bf16x2 against the fp32 reference scores, and the overlap of
+              their top-k sets with the reference's top-k (on keys that are all distinct)
+
+Every time is the median of `triton.testing.do_bench` over CUDA-graph replays (L2 flushed
+between replays). Registers / spills come from the compiled kernels. Prints one table per
+section; --json writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from dsv4.bench import setup as bench_setup
+from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.bench.decode import random_selection
+from dsv4.kernels.reference import decode as ref
+from dsv4.kernels.triton import decode_attention as att_mod
+from dsv4.kernels.triton import indexer_scores as sc_mod
+from dsv4.kernels.triton import topk as topk_mod
+from dsv4.kernels.triton.decode_common import COMPILE_INFO
+
+RESULTS: list[dict[str, Any]] = []
+DEV = torch.device("cuda")
+
+
+def graph_us(fn: Callable[[], Any], warmup: float = 10, rep: float = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    us = 1e3 * triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median")
+    del g
+    return us
+
+
+def record(section: str, case: str, variant: str, us: float | None, **extra: Any) -> None:
+    row = {"section": section, "case": case, "variant": variant, "us": us, **extra}
+    RESULTS.append(row)
+    tail = " ".join(f"{k}={v}" for k, v in extra.items())
+    print(f"{section:<9} {case:<14} {variant:<44} {us if us is None else round(us, 1)!s:>9} µs  {tail}", flush=True)
+
+
+def attempt(section: str, case: str, variant: str, run: Callable[[], Any], check: Callable[[Any], str | None],
+            kernel: str | None = None) -> None:
+    try:
+        out = run()
+        torch.cuda.synchronize()
+        bad = check(out)
+        info = dict(COMPILE_INFO.get(kernel, {})) if kernel else {}
+        us = graph_us(run)
+        record(section, case, variant, us, **info, **({"WRONG": bad} if bad else {}))
+    except Exception as e:
+        record(section, case, variant, None, error=f"{type(e).__name__}: {str(e)[:120]}")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    fin = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), fin):
+        return float("inf")
+    return ((a[fin] - b[fin]).abs().max() / b[fin].abs().max()).item()
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of |set(a) & set(b)| / |set(b)| (valid indices only)."""
+    tot = 0.0
+    for ra, rb in zip(a.tolist(), b.tolist()):
+        sa, sb = {x for x in ra if x >= 0}, {x for x in rb if x >= 0}
+        tot += len(sa & sb) / max(1, len(sb))
+    return tot / a.shape[0]
+
+
+def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
+    """--focus: the defaults against the runners-up of the first sweep (benchmarks/NOTES.md)."""
+    small = batch <= 16
+    if section == "topk":
+        return [{}, dict(chunk=8192), dict(chunk=4096, num_warps=16), dict(chunk=4096, num_warps=8)]
+    if section == "scores":
+        return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
+                dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
+                dict(precision="bf16", block_n=128)]
+    return [{}, dict(num_stages=3, split_keys=256), dict(split_keys=256), dict(split_keys=32),
+            dict(block_n=16, num_warps=4)] + ([dict(num_splits=16, block_n=16)] if small else [])
+
+
+def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: bool = False) -> None:
+    dev = DEV
+    t0 = time.time()
+    st = bench_setup.build_decode_state(cfg, context=context, batch=batch, device=dev, tokens_per_block=tpb,
+                                        kv_format="fp8_ds", indexer_format="mxfp4", seed=0)
+    print(f"# state C={context} B={batch} built in {time.time() - t0:.1f} s", flush=True)
+    case = f"C={context // 1024 or context}K B={batch}"
+    mgr, b = st.mgr, st.batch
+    gen = torch.Generator(device=dev).manual_seed(1)
+
+    # ------------------------------------------------------------------ indexer: scores + top-k
+    li = LAYER_INDEX["csa"]
+    sch, pool = mgr.schemas[li], mgr.paged[li]
+    ifmt, epb, ratio = sch.indexer_format, sch.entries_per_block, sch.compress_ratio
+    idx = blocks["csa"].compressor.indexer
+    qi = ifmt.to_stored_basis(torch.randn(batch, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
+    g = torch.randn(batch, idx.heads, device=dev, generator=gen)
+    nent, nmax = b.seq_lens // ratio, b.seq_len_bound // ratio
+    sargs = (qi, g, pool.indexer, ifmt, b.block_table, nent, nmax, epb)
+    base = sc_mod.paged_indexer_scores(*sargs, precision="bf16x2")
+    scores = base.clone()
+    want_top = ref.topk_smaller_index(scores, idx.topk)
+
+    attempt("topk", case, "torch int64 packed (reference, before)", lambda: ref.topk_smaller_index(scores, idx.topk),
+            lambda o: None if torch.equal(o, want_top) else "differs")
+    attempt("topk", case, "torch fp32 topk (not exact)", lambda: torch.topk(scores, idx.topk, dim=1), lambda o: None)
+    tk_variants: list[dict[str, Any]] = [{}]
+    if not quick:
+        tk_variants += [dict(chunk=0), dict(chunk=0, block=8192), dict(chunk=2048), dict(chunk=8192),
+                        dict(chunk=4096, num_warps=4), dict(chunk=4096, num_warps=16), dict(chunk=2048, num_warps=4)]
+    if focus:
+        tk_variants = focus_variants("topk", batch)
+    for kw in tk_variants:
+        attempt("topk", case, "triton " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
+                lambda kw=kw: topk_mod.topk_smaller_index(scores, idx.topk, **kw),
+                lambda o: None if torch.equal(o, want_top) else f"{(o != want_top).sum().item()} differ")
+
+    def sc_check(o: torch.Tensor) -> str | None:
+        e = rel(o, base)
+        return None if e < 2e-2 else f"err {e:.2g}"
+
+    sc_variants: list[dict[str, Any]] = [dict(precision="bf16x2"), dict(precision="bf16")]
+    if not quick:
+        sc_variants += [
+            dict(precision="bf16", block_n=128), dict(precision="bf16", num_warps=4),
+            dict(precision="bf16", block_n=128, num_warps=4), dict(precision="bf16", decode=1),
+            dict(precision="bf16", decode=1, block_n=128), dict(precision="bf16", num_stages=1),
+            dict(precision="bf16", num_stages=2),
+            dict(precision="bf16", num_programs=4 if batch > 8 else 128),
+            dict(precision="bf16", num_programs=32 if batch > 8 else 256),
+        ]
+    if focus:
+        sc_variants = focus_variants("scores", batch)
+    for kw in sc_variants:
+        attempt("scores", case, " ".join(f"{k}={v}" for k, v in kw.items()),
+                lambda kw=kw: sc_mod.paged_indexer_scores(*sargs, **kw), sc_check, "indexer_scores")
+
+    # ------------------------------------------------------------------ attention
+    cfgm = blocks["csa"].cfg
+    q = torch.randn(batch, cfgm.num_attention_heads, cfgm.head_dim, device=dev, generator=gen)
+    for kind in ("csa", "hca"):
+        li = LAYER_INDEX[kind]
+        sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+        r = sch.compress_ratio
+        sel = random_selection(batch, context // r, idx.topk, dev, gen) if kind == "csa" else None
+        ne = None if kind == "csa" else b.seq_lens // r
+        aargs = (q, stt.swa, sch.kv_format, stt.swa_pos, b.request_slots, b.positions, cfgm.sliding_window,
+                 pool.kv, b.block_table, sch.entries_per_block, sel, ne, b.seq_len_bound // r,
+                 blocks[kind].sinks, cfgm.head_dim ** -0.5)
+        want = att_mod.decode_attention(*aargs)
+
+        def a_check(o: torch.Tensor, want=want) -> str | None:
+            e = rel(o, want)
+            return None if e < 1e-2 else f"err {e:.2g}"
+
+        variants: list[dict[str, Any]] = [{}]
+        if not quick:
+            variants += [dict(num_stages=1), dict(num_stages=2), dict(block_n=16), dict(block_n=16, num_warps=4),
+                         dict(block_h=32, block_n=16), dict(split_keys=64), dict(num_splits=1), dict(num_splits=4)]
+            if batch <= 16:
+                variants += [dict(num_splits=16, block_n=16), dict(num_splits=32, block_n=16),
+                             dict(num_splits=64, block_n=16), dict(num_splits=32, block_n=16, num_warps=4),
+                             dict(num_splits=16)]
+        if focus:
+            variants = focus_variants("attention", batch)
+        for kw in variants:
+            attempt(f"att-{kind}", case, " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
+                    lambda kw=kw, aargs=aargs: att_mod.decode_attention(*aargs, **kw), a_check, "decode_attention")
+    del st, mgr
+    torch.cuda.empty_cache()
+
+
+def prefill_compress(chunk: int = 8192) -> None:
+    """compress_update of one prefill chunk (a request's first): device time (graph replay) and the
+    time from a synced start to its end (host work included, as `dsv4 bench` times it)."""
+    from dsv4.kernels.triton.compress import compress_update
+    dev = DEV
+    cases = (("csa main", 512, 4, True), ("csa indexer", 128, 4, True), ("hca", 512, 128, False))
+    for name, d, ratio, overlap in cases:
+        dc = 2 * d if overlap else d
+        c = torch.randn(chunk, dc, device=dev)
+        z = torch.randn(chunk, dc, device=dev)
+        state = torch.zeros(4, 3, 2 if overlap else 1, d, device=dev)
+        slots = torch.tensor([1], dtype=torch.int32, device=dev)
+        nbytes = 2 * chunk * dc * 4 + (chunk // ratio) * d * 4
+
+        for bd in (None, 128, 64) if overlap else (None, 32):
+            def run(c=c, z=z, state=state, slots=slots, ratio=ratio, overlap=overlap, bd=bd):
+                return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, overlap, block_d=bd)
+
+            prefill_one(name + f" block_d={bd}", chunk, run, nbytes)
+
+
+def prefill_one(name: str, chunk: int, run: Callable[[], Any], nbytes: int) -> None:
+    us = graph_us(run)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(1e3 * a.elapsed_time(b))
+    host = sorted(samples)[len(samples) // 2]
+    record("prefill", f"chunk {chunk}", name, us, host_incl_us=round(host, 1),
+           pct_bw_device=round(100 * nbytes / (us * 1e-6) / 4.248e12, 1))
+
+
+def accuracy(cfg, tpb, blocks, context: int, batch: int) -> None:
+    """Score error and top-k overlap of bf16 / bf16x2 vs the fp32 reference on all-distinct keys."""
+    dev = DEV
+    old = bench_setup._PATTERN_ROWS
+    bench_setup._PATTERN_ROWS = 1 << 30                      # every page its own random rows
+    try:
+        st = bench_setup.build_decode_state(cfg, context=context, batch=batch, device=dev, tokens_per_block=tpb,
+                                            kv_format="fp8_ds", indexer_format="mxfp4", seed=3)
+    finally:
+        bench_setup._PATTERN_ROWS = old
+    mgr, b = st.mgr, st.batch
+    li = LAYER_INDEX["csa"]
+    sch, pool = mgr.schemas[li], mgr.paged[li]
+    ifmt, epb, ratio = sch.indexer_format, sch.entries_per_block, sch.compress_ratio
+    idx = blocks["csa"].compressor.indexer
+    gen = torch.Generator(device=dev).manual_seed(5)
+    qi = ifmt.to_stored_basis(torch.randn(batch, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
+    g = torch.randn(batch, idx.heads, device=dev, generator=gen)
+    sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // ratio, b.seq_len_bound // ratio, epb)
+    want = ref.paged_indexer_scores(*sargs)
+    top_ref = ref.topk_smaller_index(want, idx.topk)
+    case = f"C={context // 1024 or context}K B={batch}"
+    for prec in ("bf16x2", "bf16"):
+        for dec in (0, 1):
+            s = sc_mod.paged_indexer_scores(*sargs, precision=prec, decode=dec)
+            top = topk_mod.topk_smaller_index(s, idx.topk)
+            record("accuracy", case, f"{prec} decode={dec}", None, max_rel_err=f"{rel(s, want):.2e}",
+                   topk_overlap=f"{overlap(top, top_ref):.4f}",
+                   identical_topk=f"{(top == top_ref).all(dim=1).float().mean().item():.3f}")
+    del st, mgr
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="131072")
+    p.add_argument("--batches", default="64,1")
+    p.add_argument("--quick-sweep", action="store_true", help="defaults only (a smoke run)")
+    p.add_argument("--focus", action="store_true", help="defaults vs the first sweep's runners-up")
+    p.add_argument("--no-accuracy", action="store_true")
+    p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_decode: needs a CUDA device", file=sys.stderr)
+        return 2
+    cfg, tpb = bench_config(False)
+    blocks = {k: bench_setup.make_block(cfg, LAYER_INDEX[k], DEV) for k in ("csa", "hca")}
+    with torch.no_grad():
+        fns = ([] if a.no_accuracy else [lambda: accuracy(cfg, tpb, blocks, 131072, 4)])
+        for fn in fns + ([] if a.no_prefill else [prefill_compress]):
+            try:
+                fn()
+            except Exception as e:
+                print(f"# failed: {type(e).__name__}: {e}", flush=True)
+        for c in (int(x) for x in a.contexts.split(",")):
+            for bsz in (int(x) for x in a.batches.split(",")):
+                sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Triton twin of `reference.decode.decode_attention`: sink attention of one query token per request.
+
+    grid (head blocks, B, S): split s runs an online softmax over key tiles s, s+S, ... (window
+    ring, then CSA indices / HCA entries); each tile is loaded once and feeds both q . K^T and
+    p . V (V = K). S = 1 applies the sink in the kernel; S > 1 stores (m, l, acc) per split and
+    a combine kernel adds the sink once. Heads are split across programs (BLOCK_H of them, 16
+    at D 512) because acc [H, 512] fp32 for 64 heads does not fit in registers; the programs of
+    one request read the same key tiles, which the head-block-fastest grid order keeps in L2.
+
+Keys are read straight from the paged pools / window ring through the block table and
+dequantised in registers; nothing is gathered into a temporary. Grids depend only on static
+sizes (B, H, K, W, max_entries), bounds are device-side, there is no host read: capturable in a
+CUDA graph. fp8_ds rows decode with the hardware e4m3 conversion (sm_89+; the interpreter too,
+except the NaN codes, which the writer never stores). Precision: see `decode_common` (default
+"bf16" for fp8_ds / bf16 entries, "ieee" for fp32 entries).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.cache.formats import EntryFormat
+from dsv4.errors import FormatError, InputError
+from dsv4.kernels.triton.decode_common import (
+    LOG2E,
+    Views,
+    dot_prec,
+    locate,
+    note_compile,
+    precision_id,
+    rows,
+    sm_count,
+    split_operand,
+)
+
+_MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": 2}
+_FP8_DS: tl.constexpr = tl.constexpr(2)
+#: default minimum keys per split of the key range (split-K only while each split keeps this many);
+#: 64 measured best at B = 1 (H200, V4 shapes: 27 µs vs 55 µs at 256), no change at B = 64
+SPLIT_KEYS = 64
+#: default software-pipelining depth on CUDA: 1 (no pipelining) measured fastest at every tested
+#: (B, layer) on an H200 with Triton 3.6, e.g. B = 64 HCA 337 µs vs 458 µs at the default 3
+NUM_STAGES = 1
+
+
+@triton.jit
+def _load_kv(kv_ptr, rope_ptr, sc_ptr, page, row, valid, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+             FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows (page, row) [BLOCK_N] -> dequantised keys [BLOCK_N, NCH*64] fp32 (0 where masked / d >= D).
+
+    Built as [rows, chunk, 64] so each fp8_ds 64-channel tile meets its one scale byte by
+    broadcasting; chunks at or past NOPE // 64 come from the bf16 rope part."""
+    c = tl.arange(0, NCH)[None, :, None]
+    d = c * 64 + tl.arange(0, 64)[None, None, :]
+    p3 = page[:, None, None]
+    r3 = row[:, None, None]
+    v3 = valid[:, None, None]
+    if FMT == _FP8_DS:
+        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < NOPE), other=0.0).to(tl.float32)
+        sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0).to(tl.int32)
+        x = x * (sb << 23).to(tl.float32, bitcast=True)          # UE8M0: 2^(byte - 127), exact
+        # the rope part (<= 64 channels) is one chunk, loaded as [rows, 1, 64] and broadcast into
+        # chunk NOPE // 64: a full-tile pointer tensor for it would cost registers for nothing
+        j = tl.arange(0, 64)[None, None, :]
+        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + j, mask=v3 & (j < D - NOPE), other=0.0)
+        x = tl.where(c < NOPE // 64, x, tl.where(c == NOPE // 64, rope.to(tl.float32), 0.0))
+    else:
+        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0).to(tl.float32)
+    return tl.reshape(x, [BLOCK_N, NCH * 64])
+
+
+@triton.jit
+def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
+    """One key tile of the online softmax (log2 domain). V = K: the same tile feeds both dots."""
+    s = dot_prec(q_hi, q_lo, tl.trans(k), PREC, NATIVE) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: keep exp2 finite
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    p_hi, p_lo = split_operand(p, PREC)
+    acc = acc * alpha[:, None] + dot_prec(p_hi, p_lo, k, PREC, NATIVE)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _decode_attn_kernel(
+        q_ptr, sinks_ptr, out_ptr, pml_ptr,
+        wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
+        ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr, nent_ptr,
+        s_qb, s_qh, s_ob, s_os, s_oh,
+        s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
+        s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
+        ring, window, epb, max_blocks, n_comp, qk_scale,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+        FUSED: tl.constexpr):
+    """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
+    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, NCH * 64)[None, :]
+    q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d, mask=hmask[:, None] & (d < D), other=0.0)
+    q_hi, q_lo = split_operand(q, PREC)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, NCH * 64], tl.float32)
+
+    # window ring: rows with t - W < pos <= t
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    t = tl.load(pos_ptr + b)
+    n_wt = tl.cdiv(ring, BLOCK_N)
+    for tile in range(split, n_wt, n_split):
+        r = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        wpos = tl.load(swa_pos_ptr + slot * s_pos + r, mask=r < ring, other=-1)
+        valid = (wpos >= 0) & (wpos <= t) & (wpos > t - window)
+        k = _load_kv(wkv_ptr, wrope_ptr, wsc_ptr, tl.zeros_like(r).to(tl.int64) + slot, r, valid,
+                     s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
+        m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+
+    # compressed entries; compressed tile c belongs to split (n_wt + c) % S (balances the splits)
+    if MODE != 0:
+        if MODE == 2:
+            n_c = tl.minimum(tl.load(nent_ptr + b), n_comp)         # ragged: stop at this request's end
+        else:
+            n_c = n_comp
+        for tile in range((split + n_split - n_wt % n_split) % n_split, tl.cdiv(n_c, BLOCK_N), n_split):
+            c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            if MODE == 1:
+                w = tl.load(idx_ptr + b * s_idx + c, mask=c < n_comp, other=-1).to(tl.int32)
+                valid = w >= 0
+            else:
+                w = c
+                valid = c < n_c
+            page, row = locate(bt_ptr + b * s_bt, w, valid, epb, max_blocks)
+            k = _load_kv(ckv_ptr, crope_ptr, csc_ptr, page, row, valid,
+                         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
+            m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+
+    if FUSED:   # p = exp(l) / (exp(sink) + sum exp(l)), the sink unscaled
+        sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        inv = alpha / (l_i * alpha + tl.exp2(sink - m_f))
+        tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, acc * inv[:, None], mask=hmask[:, None] & (d < D))
+    else:
+        tl.store(out_ptr + b * s_ob + split * s_os + h[:, None] * s_oh + d, acc, mask=hmask[:, None])
+        ml = pml_ptr + ((b * n_split + split) * H + h) * 2
+        tl.store(ml, m_i, mask=hmask)
+        tl.store(ml + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
+                    H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    s = tl.arange(0, S_PAD)[:, None]
+    ml = pml_ptr + ((b * S + s) * H + h[None, :]) * 2
+    smask = (s < S) & hmask[None, :]
+    ms = tl.load(ml, mask=smask, other=float("-inf"))
+    ls = tl.load(ml + 1, mask=smask, other=0.0)
+    sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(tl.max(ms, axis=0), sink)
+    den = tl.sum(tl.exp2(ms - m_f[None, :]) * ls, axis=0) + tl.exp2(sink - m_f)
+    d = tl.arange(0, D_PAD)[None, :]
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    for si in range(S):
+        m_s = tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=hmask, other=float("-inf"))
+        part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d, mask=hmask[:, None], other=0.0)
+        acc += tl.exp2(m_s - m_f)[:, None] * part
+    tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, acc / den[:, None], mask=hmask[:, None] & (d < D))
+
+
+def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: torch.Tensor,
+                     request_slots: torch.Tensor, positions: torch.Tensor, window: int,
+                     kv_views: Views | None, block_table: torch.Tensor | None, epb: int,
+                     indices: torch.Tensor | None, num_entries: torch.Tensor | None, max_entries: int,
+                     sinks: torch.Tensor, scale: float, *, precision: str | None = None,
+                     block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     split_keys: int | None = None) -> torch.Tensor:
+    """Attention of one query token per request over its window ring and compressed entries.
+
+    Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
+    the selected entries `indices` [B, K] (CSA, -1 = masked) or the first num_entries[b] entries
+    (HCA; max_entries is the static bound), or none (SWA).
+    Args:
+        q: [B, H, D] fp32; sinks: [H]; swa: ring region views {name: [R, W, bytes]};
+        swa_pos: [R, W] int32; request_slots, positions: [B] int; block_table: [B, max_blocks].
+        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 entries, else bf16).
+        block_h, block_n, num_splits, num_warps, num_stages: heads per program, keys per tile, key
+        splits per (request, head block), warps, pipeline depth (tuning; defaults per device).
+        split_keys: the default num_splits gives each split at least this many keys (SPLIT_KEYS).
+    Returns:
+        [B, H, D] fp32.
+    """
+    if kv_fmt.name not in _MAIN_FMT:
+        raise FormatError(f"decode_attention reads main-entry formats {tuple(_MAIN_FMT)}, got {kv_fmt.name!r}")
+    if kv_fmt.name == "fp8_ds" and kv_fmt.rope_dim > 64:
+        raise FormatError(f"decode_attention reads fp8_ds entries with rope_dim <= 64, got {kv_fmt.rope_dim}")
+    mode = 0 if indices is None and num_entries is None else (1 if indices is not None else 2)
+    if mode and (kv_views is None or block_table is None):
+        raise InputError("compressed keys (indices or num_entries) need kv_views and block_table")
+    bsz, heads, dim = q.shape
+    if dim != kv_fmt.dim or sinks.shape != (heads,):
+        raise InputError(f"q must be [B, H, {kv_fmt.dim}] and sinks [H]; got {list(q.shape)}, {list(sinks.shape)}")
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
+    if bsz == 0:
+        return out
+    prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
+    cuda = q.device.type == "cuda"
+    nch = triton.next_power_of_2(triton.cdiv(dim, 64))
+    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
+    if cuda and prec in (1, 2) and nch >= 8 and bsz * triton.cdiv(heads, bh) >= sm_count(q.device):
+        bn, warps = 16, 4   # enough programs to fill the GPU: two 4-warp programs per SM hide more latency
+    bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
+    n_hb = triton.cdiv(heads, bh)
+    ring = swa_pos.shape[1]
+    n_comp = 0 if mode == 0 else (indices.shape[1] if mode == 1 else max_entries)
+    tiles = triton.cdiv(ring, bn) + triton.cdiv(n_comp, bn)
+    if num_splits is None:  # fill the GPU at small batch; >= split_keys keys per split keeps partials cheap
+        num_splits = max(1, min(triton.cdiv(2 * sm_count(q.device), bsz * n_hb),
+                                triton.cdiv(tiles * bn, split_keys or SPLIT_KEYS))) if cuda else 1
+    n_split = max(1, min(num_splits, tiles))
+
+    wt = kv_fmt.typed(swa)
+    ct = kv_fmt.typed(kv_views) if kv_views is not None else wt
+    wkv, ckv = (wt["nope"], ct["nope"]) if kv_fmt.name == "fp8_ds" else (wt["kv"], ct["kv"])
+    wrope, crope = (wt["rope"], ct["rope"]) if kv_fmt.name == "fp8_ds" else (wkv, ckv)
+    wsc, csc = (wt["scale"], ct["scale"]) if kv_fmt.name == "fp8_ds" else (wkv, ckv)
+    bt = block_table if block_table is not None else swa_pos
+    idx = indices if indices is not None else swa_pos
+    nent = num_entries if num_entries is not None else request_slots
+    q = q.float().contiguous()
+    if n_split == 1:
+        part, pml, s_split = out, out, 0
+    else:
+        part = torch.empty(bsz, n_split, heads, nch * 64, dtype=torch.float32, device=q.device)
+        pml = torch.empty(bsz, n_split, heads, 2, dtype=torch.float32, device=q.device)
+        s_split = part.stride(1)
+    k = _decode_attn_kernel[(n_hb, bsz, n_split)](
+        q, sinks, part, pml, wkv, wrope, wsc, swa_pos, request_slots, positions,
+        ckv, crope, csc, bt, idx, nent,
+        q.stride(0), q.stride(1), part.stride(0), s_split, part.stride(-2),
+        *rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
+        *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0),
+        ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+        H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
+        FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
+        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
+    note_compile("decode_attention", k)
+    if n_split > 1:
+        bhc = min(16, triton.next_power_of_2(heads))
+        _combine_kernel[(bsz, triton.cdiv(heads, bhc))](
+            part, pml, sinks, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, D_PAD=nch * 64,
+            num_warps=4)
+    return out
+
+
+def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
+    """Default (BLOCK_H, BLOCK_N, num_warps) of decode_attention.
+
+    From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads x 32 keys and 8 warps is the
+    largest tile without spills (255 registers: K tile 32 KB bf16 + acc 16 x 512 fp32); 32 or 64
+    heads per program spill. With enough (request, head block) programs to fill the GPU the caller
+    switches to 16 keys x 4 warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it
+    loses: 29 vs 23 µs). The fp32 FMA dots of "ieee"/"tf32x3" spill at D 512 for any tile
+    (validation formats: correct, slow). The CPU interpreter wants few, small tiles.
+    """
+    if not cuda:
+        return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
+    if prec in (0, 3):
+        return 16, 16, 8
+    if nch >= 8:
+        return 16, 32, 8
+    return max(16, min(64, triton.next_power_of_2(heads))), 32, 4

@@ -1,0 +1,174 @@
+"""Triton twin of `reference.decode.paged_indexer_scores`: the indexer scan of a decode step.
+
+    grid (B, P): program p scans key tiles p, p+P, ... of its request with q [H, D_I] loaded once;
+    a tile at or past num_entries[b] only stores -inf, so the cost follows each request's context,
+    not max_entries. Per tile: S[H, N] = q . K^T on tensor cores, then sum_h w_h ReLU(S).
+
+Keys are read straight from the paged pool through the block table and dequantised in
+registers; nothing is gathered into a temporary. The grid depends only on static sizes and
+bounds are device-side: capturable in a CUDA graph.
+
+E2M1 keys (mxfp4, nvfp4) stay split in even/odd elements (low/high nibbles): q is loaded as
+q[:, 0::2] and q[:, 1::2] and two dots replace the interleave. Two decodes of a nibble (DECODE):
+    0  fp16 bits (sign << 15 | magnitude << 9) = value * 2^-14, to fp32, times the scale
+    1  e4m3 bits (sign << 7 | magnitude << 2) = value * 2^-6, the hardware fp8 -> fp32
+       conversion, times the scale
+Both are exact. mxfp4 scales are read as 2^(byte - 127 + 14) (resp. + 6): bytes near 255
+(|key| >= 2^113) overflow, byte 0 (never written) is not 0. Per-key fp32 factors (fp8's scale,
+nvfp4's global scale) multiply the dot's result instead of the keys.
+
+Precision: see `decode_common`. Default "bf16x2" (q split into two bf16 parts, keys exact: ~3e-6
+relative on V4 shapes) for quantised and bf16 keys, "ieee" for fp32 keys. "bf16" (one dot, q
+rounded to bf16) halves the tensor-core work and is 1.2-1.7x faster, but its ~2e-3 relative score
+error moves near-tied top-k picks (V4 shapes: 99.7% of the reference's top-512 kept; a tiny-model
+layer then differs from the reference path by 3.7% rel-L2, over the 2% its test allows): opt in
+with precision="bf16". Measurements: benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.cache.formats import EntryFormat
+from dsv4.errors import FormatError, InputError
+from dsv4.kernels.triton.decode_common import (
+    Views,
+    dot_prec,
+    locate,
+    note_compile,
+    precision_id,
+    sm_count,
+    split_operand,
+)
+
+_IDX_FMT = {"fp32_i": 0, "bf16_i": 1, "fp8": 2, "mxfp4": 3, "nvfp4": 4}
+_FP8: tl.constexpr = tl.constexpr(2)
+_MXFP4: tl.constexpr = tl.constexpr(3)
+_NVFP4: tl.constexpr = tl.constexpr(4)
+#: default precision for quantised (and bf16) keys; fp32 keys always default to "ieee"
+DEFAULT_PRECISION = "bf16x2"
+
+
+@triton.jit
+def _e2m1(code, DECODE: tl.constexpr):
+    """E2M1 code (int32 0..15) -> value * 2^-14 (DECODE 0) or value * 2^-6 (DECODE 1), fp32, exact."""
+    if DECODE == 0:
+        bits = ((code & 8) << 12) | ((code & 7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        bits = ((code & 8) << 4) | ((code & 7) << 2)
+        return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _indexer_scores_kernel(
+        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
+        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
+        num_tiles, max_entries, epb, max_blocks, out_scale,
+        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr,
+        BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
+        DECODE: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < H
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0)
+    q_row = q_ptr + b * s_qb + h[:, None] * s_qh
+    if FMT >= _MXFP4:   # packed E2M1: byte j holds elements 2j (low nibble) and 2j+1
+        j = tl.arange(0, D // 2)[None, :]
+        qe_hi, qe_lo = split_operand(tl.load(q_row + 2 * j, mask=hmask[:, None], other=0.0), PREC)
+        qo_hi, qo_lo = split_operand(tl.load(q_row + 2 * j + 1, mask=hmask[:, None], other=0.0), PREC)
+    else:
+        d = tl.arange(0, D_PAD)[None, :]
+        q_hi, q_lo = split_operand(tl.load(q_row + d, mask=hmask[:, None] & (d < D), other=0.0), PREC)
+    n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
+    for tile in range(tl.program_id(1), num_tiles, tl.num_programs(1)):
+        offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if tile * BLOCK_N < n_b:
+            valid = offs < n_b
+            page, row = locate(bt_ptr + b * s_bt, offs, valid, epb, max_blocks)
+            v3 = valid[:, None, None]
+            if FMT >= _MXFP4:
+                g = tl.arange(0, D // (2 * GS))[None, :, None]
+                jj = tl.arange(0, GS)[None, None, :]
+                base = data_ptr + page[:, None, None] * s_dp + row[:, None, None] * s_dr
+                byte = tl.load(base + g * GS + jj, mask=v3, other=0).to(tl.int32)
+                sp = scale_ptr + page[:, None, None] * s_sp + row[:, None, None] * s_sr + g
+                if FMT == _MXFP4:   # UE8M0 byte e+127 -> 2^e * 2^UNIT (undoes _e2m1's 2^-UNIT)
+                    sc = ((tl.load(sp, mask=v3, other=0).to(tl.int32) + UNIT) << 23).to(tl.float32, bitcast=True)
+                else:               # e4m3 group scale; the fp32 global scale multiplies the dot below
+                    sc = tl.load(sp, mask=v3, other=0.0).to(tl.float32) * UNIT_MUL
+                k_lo = tl.reshape(_e2m1(byte & 15, DECODE) * sc, [BLOCK_N, D // 2]).to(qe_hi.dtype)
+                k_hi = tl.reshape(_e2m1(byte >> 4, DECODE) * sc, [BLOCK_N, D // 2]).to(qe_hi.dtype)
+                s = (dot_prec(qe_hi, qe_lo, tl.trans(k_lo), PREC, NATIVE)
+                     + dot_prec(qo_hi, qo_lo, tl.trans(k_hi), PREC, NATIVE))
+            else:
+                dk = tl.arange(0, D_PAD)[None, :]
+                kp = data_ptr + page[:, None] * s_dp + row[:, None] * s_dr + dk
+                k = tl.load(kp, mask=valid[:, None] & (dk < D), other=0.0).to(tl.float32).to(q_hi.dtype)
+                s = dot_prec(q_hi, q_lo, tl.trans(k), PREC, NATIVE)
+            if FMT == _FP8 or FMT == _NVFP4:   # per-key fp32 scale
+                s = s * tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)[None, :]
+            score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * out_scale
+            score = tl.where(valid, score, float("-inf"))
+        else:
+            score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        tl.store(out_ptr + b * s_ob + offs, score, mask=offs < max_entries)
+
+
+def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
+                         block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int,
+                         *, precision: str | None = None, block_n: int | None = None,
+                         num_programs: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, decode: int = 0) -> torch.Tensor:
+    """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
+
+    Args:
+        q: [B, H, D_I] fp32 in the keys' stored basis; weights: [B, H] fp32.
+        idx_views: the indexer pool's region views {name: [num_blocks, epb, bytes] uint8}.
+        block_table: [B, max_blocks] int32; num_entries: [B] int (visible entries).
+        max_entries: static width N of the output; epb: entries per block.
+        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 keys, else
+            DEFAULT_PRECISION).
+        block_n, num_programs, num_warps, num_stages, decode: tile of keys, programs per request,
+            warps, pipeline depth, E2M1 decode variant (tuning).
+    Returns:
+        [B, N] fp32, -inf at w >= num_entries[b].
+    """
+    if fmt.name not in _IDX_FMT:
+        raise FormatError(f"paged_indexer_scores reads indexer formats {tuple(_IDX_FMT)}, got {fmt.name!r}")
+    bsz, heads, dim = q.shape
+    if dim != fmt.dim or weights.shape != (bsz, heads):
+        raise InputError(f"q must be [B, H, {fmt.dim}] and weights [B, H]; got {list(q.shape)}, {list(weights.shape)}")
+    out = torch.empty(bsz, max_entries, dtype=torch.float32, device=q.device)
+    if bsz == 0 or max_entries == 0:
+        return out
+    prec = precision_id(precision, "ieee" if fmt.name == "fp32_i" else DEFAULT_PRECISION)
+    cuda = q.device.type == "cuda"
+    # sm_90 compile (H 64, D_I 128): bf16x2 BLOCK_N 64 / 4 warps ~120 registers, no spill (H200:
+    # 4 warps 1.5-1.8x faster than 8); the fp32 FMA dot of "ieee" needs BLOCK_N 16 and 8 warps to
+    # stay spill-free. Programs in all: ~4 per SM from B = 8 on (B = 64: 335 µs vs 402 µs at 2 per
+    # SM, bf16), ~2 per SM below (B = 1: 22 µs vs 30 µs at 4 per SM, one tile each).
+    bn = block_n or ((16 if prec == 0 else 64) if cuda else 16)
+    tiles = triton.cdiv(max_entries, bn)
+    per_sm = 4 if bsz >= 8 else 2
+    nprog = num_programs or (min(tiles, max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))) if cuda else 2)
+    warps = num_warps or (8 if prec == 0 else 4)
+    typed = fmt.typed(idx_views)
+    data = typed["data"]
+    scale = typed.get("scale", data)
+    glob = typed.get("global", scale)          # fp8: the fp32 per-key scale; nvfp4: the global scale
+    q, weights = q.float().contiguous(), weights.float().contiguous()
+    extra = {"num_stages": num_stages} if num_stages else {}
+    k = _indexer_scores_kernel[(bsz, min(nprog, tiles))](
+        q, weights, out, data, scale, glob, block_table, num_entries,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
+        scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
+        tiles, max_entries, epb, block_table.shape[1], dim ** -0.5,
+        FMT=_IDX_FMT[fmt.name], PREC=prec, NATIVE=cuda, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        D=dim, D_PAD=triton.next_power_of_2(dim), GS=16 if fmt.name == "mxfp4" else 8, BLOCK_N=bn,
+        DECODE=decode, UNIT=14 if decode == 0 else 6, UNIT_MUL=2.0 ** (14 if decode == 0 else 6),
+        num_warps=warps, **extra)
+    note_compile("indexer_scores", k)
+    return out
