@@ -403,3 +403,22 @@ def test_dsv4_run_builtin_model_table(tmp_path, capsys):
     for needle in ("requests", "2 completed", "prompt tokens", "generated tokens", "prefill", "decode",
                    "time to first token", "peak cache used / allocated", "cache bytes per token", "built-in"):
         assert needle in out, out
+
+
+def test_decode_graphs_refuse_large_expert_gathers(monkeypatch):
+    """transformers' capturable experts copy each (token, expert)'s weights: past a budget the runner
+    keeps decode eager and says why, instead of gathering GiBs per step (real V4 MoE sizes)."""
+    from dsv4.engine import model_runner as mr
+    from dsv4.engine.default_model import DEFAULT_SEED, build_default_model
+
+    eng = Engine(build_default_model(DEFAULT_SEED), kv_format="fp32", indexer_format="fp32", num_blocks=64)
+    runner = mr.ModelRunner(eng.model, eng.cfg, eng.manager)
+    # per expert: gate_up [2*64, 64] + down [64, 64] fp32; 2 experts per token; batch 64
+    assert runner._expert_gather_bytes(64) == 64 * 2 * (128 * 64 + 64 * 64) * 4
+    monkeypatch.setattr(mr, "_MAX_EXPERT_GATHER_BYTES", 0)
+    runner.use_graphs = True
+    eng.manager.add_request("a")
+    batch = eng.manager.prepare_forward({"a": 1})
+    logits = runner._forward_graph(torch.tensor([5]), batch)
+    assert logits.shape == (1, eng.vocab_size) and torch.isfinite(logits).all()
+    assert not runner.use_graphs and runner.graph_status.startswith("off (transformers' capturable experts")

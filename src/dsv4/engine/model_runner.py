@@ -26,6 +26,9 @@ from dsv4.cache.manager import KVCacheManager
 from dsv4.errors import CheckpointError
 from dsv4.model.config import DSV4Config
 
+# Above this, a decode graph's expert gather costs more than the launches it saves.
+_MAX_EXPERT_GATHER_BYTES = 1 << 30
+
 
 class _experts:
     """Temporarily run every transformers experts module with another implementation."""
@@ -134,8 +137,24 @@ class ModelRunner:
             return self._forward_graph(token_ids, batch)
         return self.forward_eager(token_ids, batch, logit_rows)
 
+    def _expert_gather_bytes(self, tokens: int) -> int:
+        """Bytes transformers' `batched_mm` experts gather per step: every (token, expert) pair copies
+        that expert's weights (gate_up + down) in every MoE layer."""
+        total = 0
+        for m in self.model.modules():
+            if hasattr(m, "has_gate") and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"):
+                per_expert = (m.gate_up_proj[0].numel() + m.down_proj[0].numel()) * m.gate_up_proj.element_size()
+                total = max(total, per_expert * tokens * int(self.model.config.num_experts_per_tok))
+        return total
+
     def _forward_graph(self, token_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         key = (batch.num_requests, batch.seq_len_bound)
+        gather = self._expert_gather_bytes(batch.num_requests)
+        if gather > _MAX_EXPERT_GATHER_BYTES:  # real MoE sizes: capturable experts would copy GiBs per step
+            self.use_graphs = False
+            self.graph_status = (f"off (transformers' capturable experts would gather {gather / 2**30:.1f} GiB of "
+                                 f"expert weights per step at batch {batch.num_requests}; decode runs eagerly)")
+            return self.forward_eager(token_ids, batch, torch.arange(batch.num_requests, device=token_ids.device))
         rows = torch.arange(batch.num_requests, device=token_ids.device)
         with _experts("batched_mm", self.model):
             if key not in self._graphs:
