@@ -101,7 +101,12 @@ class AttentionSubBlock(nn.Module):
     def _attend_general(self, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
                         cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle,
                         ops) -> torch.Tensor:
-        """Any mix of prefill chunks and decode tokens (reference ops) -> [T, H, D] fp32."""
+        """Any mix of prefill chunks and decode tokens -> [T, H, D] fp32.
+
+        Cache writes, gathers, compression and indexer selection use the cache's kernels (`ops`);
+        the attention itself is a masked dense pass per request in PyTorch (CSA: masked to the
+        indexer's picks, which is the same math as gathering them).
+        """
         cfg = self.cfg
         t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         # The window before this step's writes: a chunk longer than W would overwrite rows its
