@@ -4,7 +4,8 @@
 # time limit so a slow one cannot take the others' results with it. Wheels for packages the
 # machine's image lacks may sit in .whl/ (carried along).
 #   TESTS="tests/..." (default: the GPU test files; SKIP_TESTS=1 skips)   TUNE_ARGS="--batches 1,64"
-#   BENCH_ARGS="--contexts 131072 ..."   TEST_TIMEOUT=300 TUNE_TIMEOUT=200 BENCH_TIMEOUT=400 (seconds)
+#   PROFILE_ARGS="--batches 1" (benchmarks/profile_step.py: per-kernel device time of a step)
+#   BENCH_ARGS="--contexts 131072 ..."   TEST_TIMEOUT=300 TUNE_TIMEOUT=200 PROFILE_TIMEOUT=150 BENCH_TIMEOUT=400
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,6 +23,10 @@ fi
 if [ -n "${TUNE_ARGS:-}" ]; then
   timeout "${TUNE_TIMEOUT:-200}" python3 benchmarks/tune_decode.py $TUNE_ARGS --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
   echo "tune exit $?"; tail -c 4000 "$OUT/tune.log"
+fi
+if [ -n "${PROFILE_ARGS:-}" ]; then
+  timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_step.py $PROFILE_ARGS > "$OUT/profile.log" 2>&1
+  echo "profile exit $?"; head -c 9000 "$OUT/profile.log"
 fi
 if [ -n "${BENCH_ARGS:-}" ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -c "import sys, dsv4.bench as b; sys.exit(b.main(sys.argv[1:]))" \

@@ -114,3 +114,36 @@ def test_load_deepseek_state_dict_same_output(kind):
     a = run_dsv4(cfg, layer, None, {"a": x[:60]}, sched, blk=blk)["a"]
     b = run_dsv4(cfg, layer, None, {"a": x[:60]}, sched, blk=blk_ds)["a"]
     assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ fused input projection
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_fused_input_projection(kind):
+    """project(x) == each projection of x on its own; the modules' weights live in the fused buffer
+    (not held twice); loading new weights and moving the block both reach the fused GEMM."""
+    cfg, w, x = _tiny(kind)
+    blk = make_block(cfg, LAYERS[kind], w)
+    mods = {"q_a": blk.q_a_proj, "kv": blk.kv_proj}
+    if blk.compressor is not None:
+        mods |= {"c": blk.compressor.kv_proj, "z": blk.compressor.gate_proj}
+        if kind == "csa":
+            idx = blk.compressor.indexer
+            mods |= {"ic": idx.kv_proj, "iz": idx.gate_proj, "iw": idx.scorer.weights_proj}
+
+    def check(xx: torch.Tensor) -> None:
+        proj = blk.project(xx)
+        assert list(proj) == list(mods)
+        for name, mod in mods.items():
+            torch.testing.assert_close(proj[name], mod(xx), rtol=1e-6, atol=1e-6)
+
+    check(x)
+    fused = blk._inputs.weight()
+    lo, hi = fused.data_ptr(), fused.data_ptr() + fused.numel() * fused.element_size()
+    assert all(lo <= m.weight.data_ptr() < hi for m in mods.values())
+    w2 = {k: v + 0.5 if k.endswith("proj.weight") else v for k, v in w.items()}
+    blk.load_hf_state_dict(w2)
+    torch.testing.assert_close(blk.project(x)["kv"], x @ w2["kv_proj.weight"].T, rtol=1e-6, atol=1e-5)
+    check(x)
+    blk.to(torch.float64)                                     # every weight replaced: rebuilt on next use
+    check(x.double())
+    assert blk._inputs.weight().dtype == torch.float64

@@ -310,6 +310,29 @@ def test_compress_decode_matches_reference(d: int, ratio: int, overlap: bool, de
     assert closed and open_, "the steps must include closing and non-closing tokens"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d,ratio,overlap", [(128, 4, True), (512, 128, False)])
+def test_compress_decode_raw_projection_inputs(d: int, ratio: int, overlap: bool, device: str):
+    """c, z as bf16 column views of one wider projection and the position bias given separately
+    (what the layer's decode step passes) == fp32 contiguous inputs with the bias added first."""
+    r, b = 6, 5
+    slots = torch.tensor([4, 0, 2, 5, 1], dtype=torch.int32, device=device)
+    pos = torch.tensor([2, 126, 254, 0, 255], dtype=torch.int32, device=device)
+    dc = 2 * d if overlap else d
+    wide = (torch.randn(b, 2 * dc + 24, device=device) * 3).to(torch.bfloat16)
+    c, z = wide[:, 7:7 + dc], wide[:, 7 + dc + 9:7 + 2 * dc + 9]         # odd offsets: strided views
+    bias = torch.randn(ratio, dc, device=device).to(torch.bfloat16)
+    z_full = z.float() + bias.float()[pos.long() % ratio]
+    st0 = _fresh_state(r, 2 if overlap else 1, d, device)
+    for impl in (ref_decode, tri):
+        st_a, st_b = st0.clone(), st0.clone()
+        e_a, i_a = impl.compress_decode(c.float().contiguous(), z_full, st_a, slots, pos, ratio, overlap)
+        e_b, i_b = impl.compress_decode(c, z, st_b, slots, pos, ratio, overlap, z_bias=bias)
+        assert torch.equal(i_a, i_b)
+        _assert_fp32_close(e_b, e_a, f"{impl.__name__} entries")
+        _assert_fp32_close(st_b, st_a, f"{impl.__name__} state")
+
+
 # ---------------------------------------------------------------------------- CUDA graph (GPU only)
 @pytest.mark.gpu
 def test_decode_writes_replay_in_cuda_graph():

@@ -8,8 +8,11 @@ import torch
 
 from dsv4.attention.layers import RMSNorm, rms_unweighted
 from dsv4.kernels.reference.norm_rope import norm_rope as ref
+from dsv4.kernels.reference.norm_rope import rope_cos_sin as ref_cos_sin
 from dsv4.kernels.triton.norm_rope import norm_rope as tri
-from dsv4.model.rope import apply_rope
+from dsv4.kernels.triton.norm_rope import rope_cos_sin as tri_cos_sin
+from dsv4.model.config import DSV4Config
+from dsv4.model.rope import RopeTable, apply_rope
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 SHAPES = [(5, 128), (3, 4, 512), (7, 16, 128), (2, 192), (1, 64, 512), (9, 64)]
@@ -53,3 +56,40 @@ def test_reference_equals_module_composition(shape):
     # the inverse undoes the rotation
     back = ref(ref(x, None, 0.0, cos, sin, normalize=False), None, 0.0, cos, sin, normalize=False, inverse=True)
     torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_and_no_rotation(device, dtype):
+    """A 2-D column view of a wider projection is read in place; cos/sin of width 0 = plain RMSNorm."""
+    wide = (torch.randn(6, 700, device=device) * 3).to(dtype)
+    x = wide[:, 33:33 + 512]
+    w = torch.rand(512, device=device) + 0.5
+    cos, sin = _angles(6, 32, device)
+    for c, s in ((cos, sin), (cos[:, :0], sin[:, :0])):
+        a = ref(x.contiguous(), w, 1e-6, c, s)
+        b = tri(x, w, 1e-6, c, s)
+        tol = 2e-6 if dtype == torch.float32 else 2 ** -8
+        torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol * a.float().abs().max().item())
+    norm = RMSNorm(512).to(device)
+    norm.weight.data = w
+    torch.testing.assert_close(ref(x, w, 1e-6, cos[:, :0], sin[:, :0]), norm(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1, 4, 128])
+def test_rope_cos_sin(device, scale):
+    """Triton table == the reference's float64 table (both: fp64 angles and cos/sin, one rounding),
+    at positions far past 2^20 and at -1 (read as 0); the reference == RopeTable.cos_sin."""
+    rope = RopeTable.for_layer(DSV4Config.flash(), compressed=True)
+    inv = rope.inv_freq_on(torch.device(device))
+    pos = torch.cat([torch.tensor([-1, 0, 1, 127, 128, 129, 255, 256, 257, 2**20 - 1, 2**20]),
+                     torch.randint(0, 2**20, (40,))]).to(device=device, dtype=torch.int32)
+    c_ref, s_ref = ref_cos_sin(inv, pos, scale)
+    c_tri, s_tri = tri_cos_sin(inv, pos, scale)
+    torch.testing.assert_close(c_tri, c_ref, rtol=0, atol=2e-7)
+    torch.testing.assert_close(s_tri, s_ref, rtol=0, atol=2e-7)
+    c_tab, s_tab = rope.cos_sin(pos.long().clamp(min=0) * scale)
+    torch.testing.assert_close(c_ref, c_tab, rtol=0, atol=0)
+    torch.testing.assert_close(s_ref, s_tab, rtol=0, atol=0)
+    assert c_ref.shape == (pos.shape[0], rope.rope_dim // 2)

@@ -31,20 +31,34 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, x: torch.Tensor, batch: ForwardBatch, state: torch.Tensor, rope: RopeTable,
-                 ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def compress(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
+                 rope: RopeTable, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fold the batch's tokens into the state; return the entries that finished.
 
         Args:
-            x: [T, hidden] the layer's normed input for the packed new tokens.
+            c, z: [T, width] kv_proj(x) and gate_proj(x) of the packed new tokens (z without the
+                position bias, which is added here).
             state: [R, 3, P, dim] fp32 online-softmax state of this compressor (updated in place).
             ops: the op namespace (`dsv4.kernels.dispatch.ops_for`) that runs `compress_update`.
         Returns:
             entries [E, dim] fp32 (normed, RoPE'd at w*m), entry_request [E], entry_index [E] (int64).
         """
-        c = self.kv_proj(x).float()
-        z = self.gate_proj(x).float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
-        entries, req, idx = ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
-                                            batch.query_lens_host, self.ratio, self.overlap)
-        cos, sin = rope.cos_sin(idx * self.ratio)
+        z = z.float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
+        entries, req, idx = ops.compress_update(c.float(), z, state, batch.request_slots, batch.start_positions_host,
+                                                batch.query_lens_host, self.ratio, self.overlap)
+        cos, sin = ops.rope_cos_sin(rope.inv_freq_on(c.device), idx, self.ratio)
         return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin), req, idx
+
+    def compress_decode(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
+                        ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request (an all-decode batch): entries [B, dim] fp32 (A/S, before norm and
+        RoPE; meaningful where entry_index >= 0) and entry_index [B] (-1: no entry finished).
+
+        c, z as in `compress`, read in place (column views of the layer's fused projection)."""
+        return ops.compress_decode(c, z, state, batch.request_slots, batch.positions, self.ratio, self.overlap,
+                                   z_bias=self.position_bias)
+
+    def finish(self, entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ops: types.SimpleNamespace) -> torch.Tensor:
+        """kv_norm then RoPE (cos/sin at each entry's first token w*m) of finished entries."""
+        return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin)

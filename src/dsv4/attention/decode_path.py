@@ -10,34 +10,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4.attention.compressor import Compressor
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.model.layer_schedule import AttentionType
-from dsv4.model.rope import RopeTable
 
 if TYPE_CHECKING:
     import types
 
 
-def _compress_step(comp: Compressor, x: torch.Tensor, cache: LayerCacheHandle, state: torch.Tensor,
-                   rope: RopeTable, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per request into the compressor state -> (entries [B, dim] normed+RoPE'd, entry_index [B])."""
-    b = cache.batch
-    c = comp.kv_proj(x).float()
-    z = comp.gate_proj(x).float() + comp.position_bias.float()[(b.positions % comp.ratio).long()]
-    entries, eidx = ops.compress_decode(c, z, state, b.request_slots, b.positions, comp.ratio, comp.overlap)
-    cos, sin = rope.cos_sin(eidx.clamp(min=0) * comp.ratio)
-    return ops.norm_rope(entries, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin), eidx
-
-
-def decode_attend(blk, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
+def decode_attend(blk, proj: dict[str, torch.Tensor], q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, cache: LayerCacheHandle,
                   ops: types.SimpleNamespace) -> torch.Tensor:
     """Cache writes and attention for an all-decode batch.
 
     Args:
-        blk: the AttentionSubBlock; x [B, d]; q [B, H, D] fp32 (RoPE'd); q_res [B, R_q];
-        kv [B, D] (RoPE'd); cos/sin [B, r/2] at the tokens' positions.
+        blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`);
+        q [B, H, D] fp32 (RoPE'd); q_res [B, R_q]; kv [B, D] (RoPE'd); cos/sin [B, r/2] at the
+        tokens' positions.
     Returns:
         [B, H, D] fp32 attention output before the inverse RoPE.
     """
@@ -48,22 +36,23 @@ def decode_attend(blk, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv
     pool = cache.paged
     indices = num_entries = None
     max_entries = 0
-    if blk.compressor is not None:
+    comp = blk.compressor
+    if comp is not None:
         assert pool is not None, "compressed layers have a paged pool"
         ratio, epb = sch.compress_ratio, sch.entries_per_block
         max_entries = b.seq_len_bound // ratio
         num_entries = b.seq_lens // ratio
-        ereq = torch.arange(x.shape[0], device=x.device)
-        entries, eidx = _compress_step(blk.compressor, x, cache, st.comp_state, blk.rope, ops)
-        ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb)
+        ereq = torch.arange(q.shape[0], device=q.device)
+        entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
+        # entries finish at the same positions in both CSA compressors (same ratio): one table
+        ecos, esin = ops.rope_cos_sin(blk.rope.inv_freq_on(q.device), eidx, ratio)
+        ops.write_entries(pool.kv, fmt, comp.finish(entries, ecos, esin, ops), ereq, eidx, b.block_table, epb)
         if sch.attn_type is AttentionType.CSA:
-            idx = blk.compressor.indexer
-            keys, kidx = _compress_step(idx, x, cache, st.idx_state, blk.rope, ops)
-            ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb)
-            qi = idx.q_b_proj(q_res).view(x.shape[0], idx.heads, idx.dim)
-            qi = ops.norm_rope(qi, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
-            qi = sch.indexer_format.to_stored_basis(qi)
-            g = idx.scorer.weights_proj(x).float() * idx.heads ** -0.5
+            idx = comp.indexer
+            keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
+            ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
+                              b.block_table, epb)
+            qi, g = idx.queries(q_res, proj["iw"], cos, sin, sch.indexer_format, ops)
             scores = ops.paged_indexer_scores(qi, g, pool.indexer, sch.indexer_format, b.block_table, num_entries,
                                               max_entries, epb)
             indices = ops.topk_smaller_index(scores, idx.topk)

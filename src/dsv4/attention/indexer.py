@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from dsv4.attention.compressor import Compressor
+from dsv4.cache.formats import EntryFormat
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.model.config import DSV4Config
-from dsv4.model.rope import RopeTable
 
 
 class _Scorer(nn.Module):
@@ -35,22 +35,29 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.indexer_head_dim, bias=False)
         self.scorer = _Scorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, cache: LayerCacheHandle, rope: RopeTable,
-               cos: torch.Tensor, sin: torch.Tensor, ops: types.SimpleNamespace) -> torch.Tensor:
+    def queries(self, q_res: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                fmt: EntryFormat, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, H_I, D_I] fp32 in the keys' stored basis and weights g [T, H_I] fp32.
+
+        Args:
+            q_res: [T, q_lora_rank]; w: [T, H_I] weights_proj(x); cos/sin: [T, r/2] of the tokens.
+        """
+        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
+        q = ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
+        return fmt.to_stored_basis(q), w.float() * self.heads ** -0.5
+
+    def select(self, q_res: torch.Tensor, w: torch.Tensor, cache: LayerCacheHandle, cos: torch.Tensor,
+               sin: torch.Tensor, ops: types.SimpleNamespace) -> torch.Tensor:
         """Top-k entries per query token, after this step's keys were flushed.
 
         Args:
-            x: [T, hidden]; q_res: [T, q_lora_rank]; cos/sin: [T, r/2] of the tokens' positions.
+            q_res: [T, q_lora_rank]; w: [T, H_I] weights_proj(x); cos/sin: [T, r/2] of the tokens.
         Returns:
             [T, index_topk] int64 entry indices, -1 = nothing selected.
         """
-        b = cache.batch
-        q = self.q_b_proj(q_res).view(x.shape[0], self.heads, self.dim)
-        q = ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
-        q = cache.schema.indexer_format.to_stored_basis(q)
-        g = self.scorer.weights_proj(x).float() * self.heads ** -0.5
+        b, pool, sch = cache.batch, cache.paged, cache.schema
+        q, g = self.queries(q_res, w, cos, sin, sch.indexer_format, ops)
         n_entries = tuple(s // self.ratio for s in b.seq_lens_host)
-        pool, sch = cache.paged, cache.schema
         return ops.prefill_indexer_topk(q, g, pool.indexer, sch.indexer_format, b.block_table, b.token_request,
                                         b.positions, b.query_lens_host, n_entries, self.ratio, self.topk,
                                         sch.entries_per_block)

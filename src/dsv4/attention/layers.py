@@ -40,3 +40,35 @@ def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups
     wa = w_a.view(groups, -1, w_a.shape[-1])                     # [G, R_o, H*D/G]
     y = torch.bmm(x, wa.transpose(1, 2)).transpose(0, 1)         # [T, G, R_o]
     return y.reshape(t, -1) @ w_b.t()
+
+
+class FusedProjection:
+    """Several projections of one input as one GEMM: x @ [W_1; ...; W_n]^T, split into column views.
+
+    A decode step of a few tokens reads each weight once; separate GEMMs would cost a launch each
+    (a CSA layer has seven projections of x). On first use, and again whenever a module's weight
+    was replaced (`.to()`, `.cuda()`), the weights are concatenated once and each nn.Linear's
+    weight is re-pointed into the fused buffer (`.data`): memory is not held twice, and
+    `load_state_dict` (an in-place copy) keeps writing into the buffer.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self._fused: torch.Tensor | None = None
+        self._ptrs: list[int] = []
+
+    def weight(self) -> torch.Tensor:
+        ptrs = [lin.weight.data_ptr() for lin in self.linears]
+        if self._fused is None or ptrs != self._ptrs:
+            if self.linears[0].weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("FusedProjection: run the layer once eagerly before capturing it in a CUDA graph "
+                                   "(the fused weight is built on first use)")
+            fused = torch.cat([lin.weight.detach() for lin in self.linears])
+            for lin, part in zip(self.linears, fused.split(self.sizes)):
+                lin.weight.data = part
+            self._fused, self._ptrs = fused, [lin.weight.data_ptr() for lin in self.linears]
+        return self._fused
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.nn.functional.linear(x, self.weight()).split(self.sizes, dim=-1)

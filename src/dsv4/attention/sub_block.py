@@ -18,7 +18,7 @@ from torch import nn
 from dsv4.attention.compressor import Compressor
 from dsv4.attention.decode_path import decode_attend
 from dsv4.attention.indexer import Indexer
-from dsv4.attention.layers import RMSNorm, grouped_output
+from dsv4.attention.layers import FusedProjection, RMSNorm, grouped_output
 from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.errors import DeviceError, InputError
@@ -59,6 +59,15 @@ class AttentionSubBlock(nn.Module):
             if csa:
                 self.compressor.indexer = Indexer(cfg)
         self.rope = RopeTable.for_layer(cfg, compressed=self.compressor is not None)
+        names, linears = ["q_a", "kv"], [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            names += ["c", "z"]
+            linears += [self.compressor.kv_proj, self.compressor.gate_proj]
+            if csa:
+                idx = self.compressor.indexer
+                names += ["ic", "iz", "iw"]
+                linears += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
+        self._input_names, self._inputs = names, FusedProjection(linears)
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -79,6 +88,11 @@ class AttentionSubBlock(nn.Module):
         self.load_hf_state_dict(deepseek_to_hf_names(state_dict))
 
     # ------------------------------------------------------------------ forward
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every projection of x in one GEMM, as column views: q_a, kv; compressed layers c, z
+        (the compressor's kv_proj / gate_proj); CSA ic, iz (the indexer's), iw (its weights_proj)."""
+        return dict(zip(self._input_names, self._inputs(x)))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> torch.Tensor:
         """x [T, d] packed in batch order -> [T, d]."""
         self._check(x, batch, cache)
@@ -86,21 +100,23 @@ class AttentionSubBlock(nn.Module):
         t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         ops = self._ops(cache)
         eps = cfg.rms_norm_eps
-        cos, sin = self.rope.cos_sin(batch.positions)
-        q_res = self.q_a_norm(self.q_a_proj(x))
+        proj = self.project(x)
+        cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
+        # q_a_norm is a weighted RMSNorm: norm_rope with no rotated channels
+        q_res = ops.norm_rope(proj["q_a"], self.q_a_norm.weight, eps, cos[:, :0], sin[:, :0])
         # q: unweighted RMSNorm per head, then RoPE (fp32 out); kv: weighted RMSNorm, then RoPE.
         q = ops.norm_rope(self.q_b_proj(q_res).view(t, nh, dh), None, eps, cos, sin, out_dtype=torch.float32)
-        kv = ops.norm_rope(self.kv_proj(x), self.kv_norm.weight, eps, cos, sin)
+        kv = ops.norm_rope(proj["kv"], self.kv_norm.weight, eps, cos, sin)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, x, q, q_res, kv, cos, sin, cache, ops)
+            o = decode_attend(self, proj, q, q_res, kv, cos, sin, cache, ops)
         else:
-            o = self._attend_general(x, q, q_res, kv, cos, sin, batch, cache, ops)
+            o = self._attend_general(proj, q, q_res, kv, cos, sin, batch, cache, ops)
         o = ops.norm_rope(o, None, eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
         return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
 
-    def _attend_general(self, x: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle,
-                        ops) -> torch.Tensor:
+    def _attend_general(self, proj: dict[str, torch.Tensor], q: torch.Tensor, q_res: torch.Tensor,
+                        kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                        cache: LayerCacheHandle, ops) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens -> [T, H, D] fp32.
 
         Cache writes, gathers, compression and indexer selection use the cache's kernels (`ops`);
@@ -108,7 +124,8 @@ class AttentionSubBlock(nn.Module):
         indexer's picks, which is the same math as gathering them).
         """
         cfg = self.cfg
-        t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        t, nh, dh = q.shape
+        dev = q.device
         # The window before this step's writes: a chunk longer than W would overwrite rows its
         # own early queries still need. The new tokens are read back as the ring stores them.
         win_kv, win_pos, win_valid = cache.gather_swa_kv()
@@ -118,32 +135,33 @@ class AttentionSubBlock(nn.Module):
         comp_kv = selected = None
         if self.compressor is not None:
             st = cache.state
-            entries, ereq, eidx = self.compressor.compress(x, batch, st.comp_state, self.rope, ops)
+            comp = self.compressor
+            entries, ereq, eidx = comp.compress(proj["c"], proj["z"], batch, st.comp_state, self.rope, ops)
             ikeys = None
             if self.spec.attn is AttentionType.CSA:
-                ikeys, _, _ = self.compressor.indexer.compress(x, batch, st.idx_state, self.rope, ops)
+                ikeys, _, _ = comp.indexer.compress(proj["ic"], proj["iz"], batch, st.idx_state, self.rope, ops)
             cache.flush_compression(entries, ereq, eidx, ikeys)
             comp_kv, _ = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:
-                selected = self.compressor.indexer.select(x, q_res, cache, self.rope, cos, sin, ops)
+                selected = comp.indexer.select(q_res, proj["iw"], cache, cos, sin, ops)
 
-        o = torch.empty(t, nh, dh, dtype=torch.float32, device=x.device)
+        o = torch.empty(t, nh, dh, dtype=torch.float32, device=dev)
         w, ratio = cfg.sliding_window, self.spec.compress_ratio
         t0 = 0
         for b, n in enumerate(batch.query_lens_host):
             pos = batch.positions[t0:t0 + n].long()
             keys = [win_kv[b], new_kv[t0:t0 + n]]
             kpos = torch.cat([win_pos[b].long(), pos])
-            kval = torch.cat([win_valid[b], torch.ones(n, dtype=torch.bool, device=x.device)])
+            kval = torch.cat([win_valid[b], torch.ones(n, dtype=torch.bool, device=dev)])
             mask = kval[None, :] & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)
             if comp_kv is not None:
                 ne = batch.seq_lens_host[b] // ratio
                 keys.append(comp_kv[b, :ne])
                 if selected is None:   # HCA: every entry whose window closed at or before t
-                    cmask = torch.arange(ne, device=x.device)[None, :] < ((pos[:, None] + 1) // ratio)
+                    cmask = torch.arange(ne, device=dev)[None, :] < ((pos[:, None] + 1) // ratio)
                 else:                  # CSA: the indexer's picks
                     sel = selected[t0:t0 + n]
-                    cmask = torch.zeros(n, ne + 1, dtype=torch.bool, device=x.device)
+                    cmask = torch.zeros(n, ne + 1, dtype=torch.bool, device=dev)
                     cmask.scatter_(1, torch.where(sel >= 0, sel, ne), True)
                     cmask = cmask[:, :ne]
                 mask = torch.cat([mask, cmask], dim=1)

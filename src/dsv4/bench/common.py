@@ -54,7 +54,7 @@ class Row:
     impl: str                               # triton | reference | hf
     status: str = "ok"
     reason: str | None = None
-    mode: str | None = None                 # graph | eager | host | events
+    mode: str | None = None                 # graph | eager | host | device
     us: float | None = None                 # median microseconds
     us_eager: float | None = None           # Triton rows timed as graphs: the same work launched eagerly
     bytes: int = 0

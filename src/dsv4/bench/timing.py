@@ -3,8 +3,9 @@
 On CUDA, a single launchable region is timed with `triton.testing.do_bench(return_mode="median")`:
 CUDA events around each call, the L2 cache flushed before every call (cold inputs), warm-up and
 repetition budgets in milliseconds. Work that must replan on the host between device regions
-(a multi-chunk prefill) is timed region by region with CUDA events and summed per run; the
-median is over runs. On CPU everything uses `time.perf_counter` medians (for smoke runs only).
+(a multi-chunk prefill) is timed region by region with CUDA events and summed per run, each
+region's kernels queued behind a spin kernel so the host's enqueue latency is not counted (an
+engine's host runs ahead of the GPU); the median is over runs. On CPU everything uses `time.perf_counter` medians (for smoke runs only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dsv4.bench.common import BenchOptions, Unavailable, short_reason
 @dataclass(kw_only=True, slots=True)
 class Timing:
     us: float
-    mode: str                     # graph | eager | host | events
+    mode: str                     # graph | eager | host | device
     us_eager: float | None = None
     note: str | None = None
 
@@ -108,36 +109,56 @@ class Timer:
         return 1e6 * statistics.median(samples)
 
     # ------------------------------------------------------------------ several regions per run
-    def time_regions(self, run: Callable[[Callable[[Callable[[], Any]], None]], None]) -> Timing:
+    def time_regions(self, run: Callable[[Callable[[Callable[[], Any]], None]], None], *,
+                     synced_too: bool = False) -> Timing:
         """Median over runs of the summed device time of the regions one run marks.
 
         `run(region)` does one whole run (e.g. a chunked prefill of a fresh request); it calls
         `region(fn)` around each piece of device work to time, doing host planning in between.
+
+        On CUDA each region is device time: the L2 is flushed, then a spin kernel
+        (`torch.cuda._sleep`, longer than the host takes to enqueue the region) runs ahead of the
+        start event, so the region's kernels run back to back as in an engine whose host runs
+        ahead of the GPU (mode "device"). synced_too: also time runs whose regions start right
+        after a synchronize, host enqueue latency included (`us_eager`).
         """
         cuda = self.device.type == "cuda"
-        samples: list[float] = []
-        for i in range(self.host_warmup + self.host_reps):
+        flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=self.device) if cuda else None
+        host_s = 1e-3                          # the host's enqueue time of the longest region so far
+
+        def one_run(ahead: bool) -> float:
+            nonlocal host_s
             total = 0.0
 
             def region(fn: Callable[[], Any]) -> None:
-                nonlocal total
+                nonlocal total, host_s
                 _sync(self.device)
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    b.synchronize()
-                    total += 1e3 * a.elapsed_time(b)
-                else:
+                if not cuda:
                     t0 = time.perf_counter()
                     fn()
                     total += 1e6 * (time.perf_counter() - t0)
+                    return
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if ahead:
+                    flush.zero_()
+                    torch.cuda._sleep(int(2e9 * 2 * host_s))    # ~2 GHz SM clock: twice the enqueue time
+                a.record()
+                t0 = time.perf_counter()
+                fn()
+                host_s = max(host_s, time.perf_counter() - t0)
+                b.record()
+                b.synchronize()
+                total += 1e3 * a.elapsed_time(b)
 
             run(region)
-            if i >= self.host_warmup:
-                samples.append(total)
-        return Timing(us=statistics.median(samples), mode="events" if cuda else "host")
+            return total
+
+        for _ in range(self.host_warmup):
+            one_run(True)
+        samples = [one_run(True) for _ in range(self.host_reps)]
+        synced = [one_run(False) for _ in range(self.host_reps)] if cuda and synced_too else []
+        return Timing(us=statistics.median(samples), mode="device" if cuda else "host",
+                      us_eager=statistics.median(synced) if synced else None)
 
 
 def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:

@@ -3,7 +3,7 @@
 Both namespaces export the same functions with the same signatures:
 append_window, write_entries, gather_window, gather_entries, gather_all_entries,
 compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, prefill_indexer_topk, norm_rope,
-decode_attention. `auto` picks Triton on CUDA when Triton is importable, else the reference.
+rope_cos_sin, decode_attention. `auto` picks Triton on CUDA when Triton is importable, else the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _reference() -> types.SimpleNamespace:
         gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
-        prefill_indexer_topk=indexer.prefill_indexer_topk, norm_rope=norm_rope.norm_rope)
+        prefill_indexer_topk=indexer.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
+        rope_cos_sin=norm_rope.rope_cos_sin)
 
 
 def triton_available() -> bool:

@@ -56,12 +56,15 @@ class RopeTable:
             inv = yarn_inv_freq(cfg.rope_dim, cfg.rope_theta, 1.0, 1, 1.0, 1.0)
         return cls(cfg.rope_dim, inv)
 
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """[r/2] float64 inverse frequencies on `device` (copied once per device)."""
+        if device not in self._on:
+            self._on[device] = self.inv_freq.to(device)
+        return self._on[device]
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] int -> cos, sin [..., r/2] float32."""
-        dev = positions.device
-        if dev not in self._on:
-            self._on[dev] = self.inv_freq.to(dev)
-        ang = positions.to(torch.float64)[..., None] * self._on[dev]
+        ang = positions.to(torch.float64)[..., None] * self.inv_freq_on(positions.device)
         return ang.cos().float(), ang.sin().float()
 
 
@@ -71,6 +74,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
     cos/sin broadcast against x's leading dims ([..., r/2]); returns x's dtype.
     """
     r = 2 * cos.shape[-1]
+    if r == 0:
+        return x
     if inverse:
         sin = -sin
     rope = x[..., -r:].float().unflatten(-1, (r // 2, 2))

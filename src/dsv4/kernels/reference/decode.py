@@ -15,17 +15,22 @@ from dsv4.kernels.reference.cache_ops import Views, read_rows
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    positions: torch.Tensor, ratio: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one token per request into its pending entries (DESIGN §5 online softmax).
 
     Args:
-        c, z: [B, Dc] fp32 (z includes the position bias); Dc = 2D (CSA) or D (HCA).
+        c, z: [B, Dc] float (fp32 math); Dc = 2D (CSA) or D (HCA). z includes the position bias
+            unless z_bias [ratio, Dc] is given: then z + z_bias[positions % ratio] (fp32).
         state: [R, 3, P, D] fp32 (M, S, A), updated in place; request_slots, positions: [B] int.
     Returns:
         entries [B, D] fp32 = A/S of `cur` for requests whose token closes its window (else
         unspecified), entry_index [B] int64: the finished entry w, or -1.
     """
     d = state.shape[-1]
+    c, z = c.float(), z.float()
+    if z_bias is not None:
+        z = z + z_bias.float()[positions.long() % ratio]
     slots = request_slots.long()
     st = state[slots]                                            # [B, 3, P, D]
     slot_c = c[:, d:] if overlap else c

@@ -2,7 +2,10 @@
 
     y = RoPE_pos(RMSNorm(x))        RMSNorm weighted (weight given) or unweighted (weight None),
                                     or skipped (normalize False); RoPE on the trailing 2*cos.shape[-1]
-                                    channels, interleaved pairs (DESIGN §3), inverse when asked.
+                                    channels, interleaved pairs (DESIGN §3), inverse when asked;
+                                    cos/sin [N, 0]: no rotation (a plain RMSNorm).
+    cos, sin = rope_cos_sin(inv_freq, positions, scale)
+                                    the rotary table at max(positions, 0) * scale, float64 angles.
 
 Computed in fp32 from end to end (one rounding to the output dtype at the end).
 """
@@ -12,6 +15,17 @@ from __future__ import annotations
 import torch
 
 from dsv4.model.rope import apply_rope
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv_freq [r/2] float64, positions [...] int -> cos, sin [..., r/2] float32.
+
+    Angles max(p, 0) * scale * inv_freq in float64 (at position 1e6 an fp32 angle is off by
+    ~0.06 rad); negative positions (a decode step's "no entry" -1) read position 0.
+    """
+    ang = (positions.long().clamp(min=0) * scale).to(torch.float64)[..., None] * inv_freq
+    return ang.cos().float(), ang.sin().float()
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,

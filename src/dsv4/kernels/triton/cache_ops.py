@@ -92,9 +92,11 @@ def _merge(m, s, a, z, c):
 
 @triton.jit
 def _compress_decode_kernel(
-        c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, st_ptr, st_s0, st_s1, st_s2, st_s3, rslot_ptr, pos_ptr,
-        out_ptr, idx_ptr, D, RATIO, OVERLAP: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (b, j): channels [j*BLOCK, (j+1)*BLOCK) of request b's pending entries."""
+        c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0, st_s1, st_s2, st_s3, rslot_ptr,
+        pos_ptr, out_ptr, idx_ptr, D, RATIO, OVERLAP: tl.constexpr, P: tl.constexpr, BIAS: tl.constexpr,
+        BLOCK: tl.constexpr):
+    """Program (b, j): channels [j*BLOCK, (j+1)*BLOCK) of request b's pending entries. c, z in any
+    float dtype (fp32 math); BIAS: z += bias[pos % RATIO] (fp32)."""
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     md = d < D
@@ -105,13 +107,22 @@ def _compress_decode_kernel(
     zb = z_ptr + b.to(tl.int64) * z_s0
     sb = st_ptr + slot * st_s0 + d * st_s3                         # (M, S, A) at st_s1 apart, pages st_s2
     hi = D if OVERLAP else 0                                       # CSA: the [D:] slot feeds cur
+    z_cur = tl.load(zb + (d + hi) * z_s1, mask=md).to(tl.float32)
+    if BIAS:
+        brow = pos % RATIO
+        brow = tl.where(brow < 0, brow + RATIO, brow)              # floor modulo, as torch's %
+        bb = bias_ptr + brow * bias_s0
+        z_cur = z_cur + tl.load(bb + d + hi, mask=md).to(tl.float32)
     m, s, a = _merge(tl.load(sb, mask=md), tl.load(sb + st_s1, mask=md), tl.load(sb + 2 * st_s1, mask=md),
-                     tl.load(zb + (d + hi) * z_s1, mask=md), tl.load(cb + (d + hi) * c_s1, mask=md))
+                     z_cur, tl.load(cb + (d + hi) * c_s1, mask=md).to(tl.float32))
     tl.store(out_ptr + b.to(tl.int64) * D + d, tl.math.div_rn(a, s), mask=md)
     if OVERLAP:
         nb = sb + st_s2
+        z_next = tl.load(zb + d * z_s1, mask=md).to(tl.float32)
+        if BIAS:
+            z_next = z_next + tl.load(bb + d, mask=md).to(tl.float32)
         nm, ns, na = _merge(tl.load(nb, mask=md), tl.load(nb + st_s1, mask=md), tl.load(nb + 2 * st_s1, mask=md),
-                            tl.load(zb + d * z_s1, mask=md), tl.load(cb + d * c_s1, mask=md))
+                            z_next, tl.load(cb + d * c_s1, mask=md).to(tl.float32))
         # On close: cur <- next, next <- empty (the seeds' rotation).
         tl.store(sb, tl.where(closes, nm, m), mask=md)
         tl.store(sb + st_s1, tl.where(closes, ns, s), mask=md)
@@ -217,18 +228,21 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    positions: torch.Tensor, ratio: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one token per request into its pending entries (DESIGN §5 online softmax; reference twin).
 
     Args:
-        c, z: [B, Dc] fp32 (z includes the position bias); Dc = 2D (CSA, overlap) or D (HCA).
+        c, z: [B, Dc] float, any row stride (column slices of one projection are read in place);
+            Dc = 2D (CSA, overlap) or D (HCA). z includes the position bias unless z_bias
+            [ratio, Dc] is given, which is then added at row positions % ratio (fp32 math).
         state: [R, 3, P, D] fp32 (M, S, A), updated in place; request_slots, positions: [B] int.
     Returns:
         entries [B, D] fp32 = A/S of `cur` after the update (meaningful where the token closes
         its window), entry_index [B] int64: the finished entry position // ratio, or -1.
     """
     bsz, d, p = c.shape[0], state.shape[-1], state.shape[2]
-    assert c.dtype == z.dtype == state.dtype == torch.float32, "compress_decode works in fp32"
+    assert state.dtype == torch.float32, "the compressor state is fp32"
     assert p >= (2 if overlap else 1), "CSA keeps two pending entries (cur, next), HCA one"
     entries = torch.empty(bsz, d, dtype=torch.float32, device=c.device)
     entry_index = torch.empty(bsz, dtype=torch.int64, device=c.device)
@@ -236,8 +250,9 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
         return entries, entry_index
     block = min(_p2(d), 256)
     _compress_decode_kernel[(bsz, triton.cdiv(d, block))](
-        c, c.stride(0), c.stride(1), z, z.stride(0), z.stride(1), state, *state.stride(), request_slots, positions,
-        entries, entry_index, d, ratio, OVERLAP=overlap, P=p, BLOCK=block, num_warps=2)
+        c, c.stride(0), c.stride(1), z, z.stride(0), z.stride(1), z_bias if z_bias is not None else z,
+        z_bias.stride(0) if z_bias is not None else 0, state, *state.stride(), request_slots, positions,
+        entries, entry_index, d, ratio, OVERLAP=overlap, P=p, BIAS=z_bias is not None, BLOCK=block, num_warps=2)
     return entries, entry_index
 
 

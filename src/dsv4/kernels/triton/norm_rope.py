@@ -1,10 +1,13 @@
 """Triton fused RMSNorm + partial RoPE (twin of `reference.norm_rope.norm_rope`): one kernel where
-PyTorch runs ~14 small ones, which matters in a decode step of a few tokens.
+PyTorch runs ~14 small ones, which matters in a decode step of a few tokens; and the rotary
+cos/sin of a step's positions (twin of `reference.norm_rope.rope_cos_sin`): one kernel for six.
 
 One program per block of rows; a row is one D-vector (a head of a token, or a token). The row's
 channels are loaded as interleaved (even, odd) pairs so the rotation needs no shuffles:
 
     pair i: (x[2i], x[2i+1]);   pairs i >= (D - r)/2 rotate by (cos[t, j], sin[t, j]), j = i - (D - r)/2
+
+r = 0 (cos/sin [N, 0]) is a plain RMSNorm.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
+def _norm_rope_kernel(x_ptr, x_s0, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
                       D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       NORMALIZE: tl.constexpr, WEIGHTED: tl.constexpr, INVERSE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -23,9 +26,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, ep
     p = tl.arange(0, BLOCK_P)                       # pair index
     pmask = p < D // 2
     m = rmask[:, None] & pmask[None, :]
+    src = rows.to(tl.int64)[:, None] * x_s0 + 2 * p[None, :]
     base = rows.to(tl.int64)[:, None] * D + 2 * p[None, :]
-    even = tl.load(x_ptr + base, mask=m, other=0.0).to(tl.float32)
-    odd = tl.load(x_ptr + base + 1, mask=m, other=0.0).to(tl.float32)
+    even = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
+    odd = tl.load(x_ptr + src + 1, mask=m, other=0.0).to(tl.float32)
     if NORMALIZE:
         ms = (tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1)) / D
         inv = 1.0 / tl.sqrt(ms + eps)
@@ -34,27 +38,31 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, ep
         if WEIGHTED:
             even = even * tl.load(w_ptr + 2 * p, mask=pmask, other=0.0).to(tl.float32)[None, :]
             odd = odd * tl.load(w_ptr + 2 * p + 1, mask=pmask, other=0.0).to(tl.float32)[None, :]
-    first = D // 2 - HALF_R                         # first rotated pair
-    j = p - first
-    rot = (j >= 0) & pmask
-    t = (rows // heads).to(tl.int64)
-    cm = rmask[:, None] & rot[None, :]
-    c = tl.load(cos_ptr + t[:, None] * HALF_R + j[None, :], mask=cm, other=1.0)
-    s = tl.load(sin_ptr + t[:, None] * HALF_R + j[None, :], mask=cm, other=0.0)
-    if INVERSE:
-        s = -s
-    new_even = even * c - odd * s
-    new_odd = odd * c + even * s
-    tl.store(out_ptr + base, new_even.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(out_ptr + base + 1, new_odd.to(out_ptr.dtype.element_ty), mask=m)
+    if HALF_R > 0:
+        first = D // 2 - HALF_R                     # first rotated pair
+        j = p - first
+        rot = (j >= 0) & pmask
+        t = (rows // heads).to(tl.int64)
+        cm = rmask[:, None] & rot[None, :]
+        c = tl.load(cos_ptr + t[:, None] * HALF_R + j[None, :], mask=cm, other=1.0)
+        s = tl.load(sin_ptr + t[:, None] * HALF_R + j[None, :], mask=cm, other=0.0)
+        if INVERSE:
+            s = -s
+        new_even = even * c - odd * s
+        odd = odd * c + even * s
+        even = new_even
+    tl.store(out_ptr + base, even.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + base + 1, odd.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
               normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`."""
+    """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`. A 2-D x may have any row
+    stride (a column slice of a wider projection is read in place)."""
     d = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
-    x = x.contiguous()
+    if x.stride(-1) != 1 or (x.dim() == 3 and not x.is_contiguous()):
+        x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n_rows = x.numel() // d
     if n_rows == 0:
@@ -62,7 +70,35 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     half_r = cos.shape[-1]
     block_rows = 4
     _norm_rope_kernel[(triton.cdiv(n_rows, block_rows),)](
-        x, weight if weight is not None else x, cos.float().contiguous(), sin.float().contiguous(), out,
-        n_rows, heads, eps, D=d, HALF_R=half_r, BLOCK_P=triton.next_power_of_2(d // 2), BLOCK_ROWS=block_rows,
-        NORMALIZE=normalize, WEIGHTED=weight is not None, INVERSE=inverse)
+        x, x.stride(0) // heads, weight if weight is not None else x, cos.float().contiguous(),
+        sin.float().contiguous(), out, n_rows, heads, eps, D=d, HALF_R=half_r,
+        BLOCK_P=triton.next_power_of_2(d // 2), BLOCK_ROWS=block_rows, NORMALIZE=normalize,
+        WEIGHTED=weight is not None, INVERSE=inverse)
     return out
+
+
+@triton.jit
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, n, scale, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    pos = tl.maximum(tl.load(pos_ptr + i, mask=i < n, other=0).to(tl.int64), 0) * scale
+    ang = pos.to(tl.float64)[:, None] * tl.load(inv_ptr + j, mask=jm, other=0.0)[None, :]
+    m = (i < n)[:, None] & jm[None, :]
+    dst = i.to(tl.int64)[:, None] * HALF + j[None, :]
+    tl.store(cos_ptr + dst, tl.cos(ang).to(tl.float32), mask=m)
+    tl.store(sin_ptr + dst, tl.sin(ang).to(tl.float32), mask=m)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `dsv4.kernels.reference.norm_rope.rope_cos_sin` (fp64 angles and cos/sin)."""
+    n, half = positions.numel(), inv_freq.shape[0]
+    cos = torch.empty(*positions.shape, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if n:
+        block = 32
+        _cos_sin_kernel[(triton.cdiv(n, block),)](positions.contiguous(), inv_freq, cos, sin, n, scale, HALF=half,
+                                                  BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK=block)
+    return cos, sin

@@ -18,4 +18,5 @@ def namespace() -> types.SimpleNamespace:
         gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
         compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
-        prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope)
+        prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
+        rope_cos_sin=norm_rope.rope_cos_sin)

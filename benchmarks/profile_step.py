@@ -1,0 +1,99 @@
+"""Per-kernel device time of one decode step of each layer and of one prefill chunk's compression
+(CUDA only): where the time of a step goes, kernel by kernel.
+
+    python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192]
+
+Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
+(`dsv4.bench.setup.build_decode_state`); prefill: compress_update + write_entries of one chunk
+for each compressor. Each is run eagerly under `torch.profiler` after warm-up; the table lists
+every kernel with its launches and summed device time per step, and the step's kernel count.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4.bench import setup as bench_setup
+from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.cache.manager import KVCacheManager
+from dsv4.kernels.dispatch import ops_for
+
+DEV = torch.device("cuda")
+
+
+def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5) -> None:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    calls: dict[str, int] = defaultdict(int)
+    us: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            calls[name] += 1
+            us[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total = sum(us.values()) / steps
+    n = sum(calls.values()) / steps
+    print(f"\n## {title}: {n:.0f} kernels, {total:.1f} µs of kernel time per step")
+    for name in sorted(us, key=us.get, reverse=True):
+        print(f"{us[name] / steps:9.1f} µs  {calls[name] / steps:5.1f}x  {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--chunk", type=int, default=8192)
+    args = ap.parse_args()
+    cfg, tpb = bench_config(False)
+    blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
+    ops = ops_for(DEV, "triton")
+    with torch.no_grad():
+        for batch in (int(b) for b in args.batches.split(",")):
+            st = bench_setup.build_decode_state(cfg, context=args.context, batch=batch, device=DEV,
+                                                tokens_per_block=tpb, kv_format="fp8_ds", indexer_format="mxfp4",
+                                                seed=0)
+            for kind, li in LAYER_INDEX.items():
+                blk = blocks[kind]
+                blk.backend = "triton"
+                h = bench_setup.acquire(st.mgr, li, st.batch, "triton")
+                kernel_table(f"decode {kind} layer C={args.context} B={batch}",
+                             lambda blk=blk, st=st, h=h: blk(st.x, st.batch, h))
+            st = None
+            torch.cuda.empty_cache()
+        n = args.chunk
+        for kind, li in LAYER_INDEX.items():
+            mgr = KVCacheManager(cfg, max_requests=1, num_blocks=64, device=DEV, kv_format="fp8_ds",
+                                 indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=n)
+            mgr.add_request("r")
+            b = mgr.prepare_forward({"r": n})
+            torch.cuda.synchronize()
+            sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+            comp = blocks[kind].compressor
+            x = torch.randn(n, cfg.hidden_size, device=DEV).to(torch.bfloat16)
+            parts = [(comp, stt.comp_state, pool.kv, sch.kv_format)]
+            if comp.overlap:
+                parts.append((comp.indexer, stt.idx_state, pool.indexer, sch.indexer_format))
+            inputs = [(m.kv_proj(x).float(), m.gate_proj(x).float(), m, s, v, f) for m, s, v, f in parts]
+
+            def chunk(inputs=inputs, b=b, sch=sch) -> None:
+                for c, z, m, state, views, fmt in inputs:
+                    e, er, ei = ops.compress_update(c, z, state, b.request_slots, b.start_positions_host,
+                                                    b.query_lens_host, m.ratio, m.overlap)
+                    ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
+
+            kernel_table(f"prefill {kind} compress_update + write_entries, chunk {n} (from position 0)", chunk)
+
+
+if __name__ == "__main__":
+    main()
