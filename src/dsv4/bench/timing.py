@@ -5,7 +5,8 @@ CUDA events around each call, the L2 cache flushed before every call (cold input
 repetition budgets in milliseconds. Work that must replan on the host between device regions
 (a multi-chunk prefill) is timed region by region with CUDA events and summed per run, each
 region's kernels queued behind a spin kernel so the host's enqueue latency is not counted (an
-engine's host runs ahead of the GPU); the median is over runs. On CPU everything uses `time.perf_counter` medians (for smoke runs only).
+engine's host runs ahead of the GPU); the median is over runs. On CPU everything uses
+`time.perf_counter` medians (for smoke runs only).
 """
 
 from __future__ import annotations

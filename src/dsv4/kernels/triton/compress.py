@@ -119,9 +119,10 @@ def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...]
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
-                    *, block_d: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    *, block_d: int | None = None, num_warps: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `dsv4.kernels.reference.compress.compress_update` (block_d: channels per
-    program, tuning)."""
+    program, num_warps: warps per program; tuning)."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
     bsz = len(query_lens)
@@ -142,6 +143,6 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
             c, z, state, entries, pending, e_out[0], e_out[1], tab, request_slots,
             c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz,
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
-            BLOCK_D=block_d, BLOCK_S=min(triton.next_power_of_2(ns), 32), num_warps=4)
+            BLOCK_D=block_d, BLOCK_S=min(triton.next_power_of_2(ns), 32), num_warps=num_warps or 4)
     state[request_slots] = pending.view(bsz, npend, 3, d).transpose(1, 2)
     return entries, e_out[0], e_out[1]
