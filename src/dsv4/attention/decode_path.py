@@ -2,10 +2,20 @@
 
 Used for every all-decode batch. With the Triton ops it is what CUDA graphs capture; with the
 reference ops it is the readable twin (tests compare it with the general prefill path).
+
+On CUDA the step runs on two streams (a CUDA graph captures them as parallel branches):
+
+    main   q_a norm -> q_b GEMM (the layer's largest input read) -> q norm/RoPE -> CSA indexer queries
+    side   kv norm/RoPE -> window append -> compressor(s) -> entry norm/RoPE -> cache writes
+    join   -> CSA indexer scores + top-k -> attention
+
+The side branch is a chain of small latency-bound kernels that would otherwise wait behind the
+GEMM; every tensor it reads stays referenced until the join.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,46 +26,68 @@ from dsv4.model.layer_schedule import AttentionType
 if TYPE_CHECKING:
     import types
 
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
-def decode_attend(blk, proj: dict[str, torch.Tensor], q: torch.Tensor, q_res: torch.Tensor, kv: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, cache: LayerCacheHandle,
-                  ops: types.SimpleNamespace) -> torch.Tensor:
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def decode_attend(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                  cache: LayerCacheHandle, ops: types.SimpleNamespace) -> torch.Tensor:
     """Cache writes and attention for an all-decode batch.
 
     Args:
         blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`);
-        q [B, H, D] fp32 (RoPE'd); q_res [B, R_q]; kv [B, D] (RoPE'd); cos/sin [B, r/2] at the
-        tokens' positions.
+        cos/sin [B, r/2] at the tokens' positions.
     Returns:
         [B, H, D] fp32 attention output before the inverse RoPE.
     """
     b, st, sch = cache.batch, cache.state, cache.schema
     fmt = sch.kv_format
-    ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
-                      b.seq_lens)
+    dev = cos.device
     pool = cache.paged
+    comp = blk.compressor
+    csa = sch.attn_type is AttentionType.CSA
+    side = _side_stream(dev)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        kv = blk.window_kv(proj, cos, sin, ops)
+        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
+                          b.seq_lens)
+        if comp is not None:
+            assert pool is not None, "compressed layers have a paged pool"
+            ratio, epb = sch.compress_ratio, sch.entries_per_block
+            ereq = torch.arange(b.num_requests, device=dev)
+            entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
+            # entries finish at the same positions in both CSA compressors (same ratio): one table
+            ecos, esin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), eidx, ratio)
+            ops.write_entries(pool.kv, fmt, comp.finish(entries, ecos, esin, ops), ereq, eidx, b.block_table, epb)
+            if csa:
+                idx = comp.indexer
+                keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
+                ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
+                                  b.block_table, epb)
+    q_res, q = blk.queries(proj, cos, sin, ops)
+    if csa:
+        qi, g = comp.indexer.queries(q_res, proj["iw"], cos, sin, sch.indexer_format, ops)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
+
     indices = num_entries = None
     max_entries = 0
-    comp = blk.compressor
     if comp is not None:
-        assert pool is not None, "compressed layers have a paged pool"
-        ratio, epb = sch.compress_ratio, sch.entries_per_block
-        max_entries = b.seq_len_bound // ratio
-        num_entries = b.seq_lens // ratio
-        ereq = torch.arange(q.shape[0], device=q.device)
-        entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
-        # entries finish at the same positions in both CSA compressors (same ratio): one table
-        ecos, esin = ops.rope_cos_sin(blk.rope.inv_freq_on(q.device), eidx, ratio)
-        ops.write_entries(pool.kv, fmt, comp.finish(entries, ecos, esin, ops), ereq, eidx, b.block_table, epb)
-        if sch.attn_type is AttentionType.CSA:
-            idx = comp.indexer
-            keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
-            ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
-                              b.block_table, epb)
-            qi, g = idx.queries(q_res, proj["iw"], cos, sin, sch.indexer_format, ops)
+        max_entries = b.seq_len_bound // sch.compress_ratio
+        num_entries = b.seq_lens // sch.compress_ratio
+        if csa:
             scores = ops.paged_indexer_scores(qi, g, pool.indexer, sch.indexer_format, b.block_table, num_entries,
-                                              max_entries, epb)
-            indices = ops.topk_smaller_index(scores, idx.topk)
+                                              max_entries, sch.entries_per_block)
+            indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
     return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
                                 pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,

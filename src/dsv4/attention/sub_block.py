@@ -97,22 +97,29 @@ class AttentionSubBlock(nn.Module):
         """x [T, d] packed in batch order -> [T, d]."""
         self._check(x, batch, cache)
         cfg = self.cfg
-        t, nh, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         ops = self._ops(cache)
-        eps = cfg.rms_norm_eps
         proj = self.project(x)
         cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
-        # q_a_norm is a weighted RMSNorm: norm_rope with no rotated channels
-        q_res = ops.norm_rope(proj["q_a"], self.q_a_norm.weight, eps, cos[:, :0], sin[:, :0])
-        # q: unweighted RMSNorm per head, then RoPE (fp32 out); kv: weighted RMSNorm, then RoPE.
-        q = ops.norm_rope(self.q_b_proj(q_res).view(t, nh, dh), None, eps, cos, sin, out_dtype=torch.float32)
-        kv = ops.norm_rope(proj["kv"], self.kv_norm.weight, eps, cos, sin)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, proj, q, q_res, kv, cos, sin, cache, ops)
+            o = decode_attend(self, proj, cos, sin, cache, ops)
         else:
-            o = self._attend_general(proj, q, q_res, kv, cos, sin, batch, cache, ops)
-        o = ops.norm_rope(o, None, eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
+            q_res, q = self.queries(proj, cos, sin, ops)
+            o = self._attend_general(proj, q, q_res, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
+        o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
         return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
+
+    def queries(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels) and
+        q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] fp32."""
+        eps = self.cfg.rms_norm_eps
+        q_res = ops.norm_rope(proj["q_a"], self.q_a_norm.weight, eps, cos[:, :0], sin[:, :0])
+        q = self.q_b_proj(q_res).view(q_res.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
+        return q_res, ops.norm_rope(q, None, eps, cos, sin, out_dtype=torch.float32)
+
+    def window_kv(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
+        """kv = RoPE_t(RMSNorm_w(x W_kv)) [T, D], what the window ring stores."""
+        return ops.norm_rope(proj["kv"], self.kv_norm.weight, self.cfg.rms_norm_eps, cos, sin)
 
     def _attend_general(self, proj: dict[str, torch.Tensor], q: torch.Tensor, q_res: torch.Tensor,
                         kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
