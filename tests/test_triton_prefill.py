@@ -33,7 +33,10 @@ def _state(r: int, p: int, d: int, dev: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap,ratio,d", [(True, 4, 64), (False, 16, 128), (False, 128, 64)])
-def test_compress_update_matches_reference(device, overlap, ratio, d):
+@pytest.mark.parametrize("tiles", [{}, dict(segs=4, block_d=32, block_s=4), dict(segs=2, block_d=64, block_s=128)])
+def test_compress_update_matches_reference(device, overlap, ratio, d, tiles):
+    """Ragged chunks around window boundaries; tiles: several segments per program (a program's
+    segments spanning requests), channel blocks, slot tiles shorter / longer than the window."""
     dc = 2 * d if overlap else d
     # Ragged chunks starting at, inside and just before window boundaries (127/128/129, 255/256/257).
     starts = (0, 13, 127, 3, 255, 128)
@@ -45,7 +48,7 @@ def test_compress_update_matches_reference(device, overlap, ratio, d):
     st = _state(6, 2 if overlap else 1, d, device)
     s_ref, s_tri = st.clone(), st.clone()
     e_ref, r_ref, i_ref = ref_compress.compress_update(c, z, s_ref, slots, starts, lens, ratio, overlap)
-    e_tri, r_tri, i_tri = tri_compress.compress_update(c, z, s_tri, slots, starts, lens, ratio, overlap)
+    e_tri, r_tri, i_tri = tri_compress.compress_update(c, z, s_tri, slots, starts, lens, ratio, overlap, **tiles)
     assert torch.equal(r_ref, r_tri) and torch.equal(i_ref, i_tri)
     torch.testing.assert_close(e_tri, e_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isinf(s_ref), torch.isinf(s_tri))
