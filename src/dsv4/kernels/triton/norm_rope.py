@@ -85,10 +85,6 @@ def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, n, scale, HALF: tl.const
     jm = j < HALF
     pos = tl.maximum(tl.load(pos_ptr + i, mask=i < n, other=0).to(tl.int64), 0) * scale
     ang = pos.to(tl.float64)[:, None] * tl.load(inv_ptr + j, mask=jm, other=0.0)[None, :]
-    # reduce to [-pi, pi] first (error ~1e-11 rad at 1e6 rad): fp64 cos/sin of large arguments take
-    # the slow Payne-Hanek path
-    two_pi = tl.full([], 6.283185307179586, tl.float64)        # a bare float literal would be fp32
-    ang = ang - two_pi * tl.floor(ang / two_pi + 0.5)
     m = (i < n)[:, None] & jm[None, :]
     dst = i.to(tl.int64)[:, None] * HALF + j[None, :]
     tl.store(cos_ptr + dst, tl.cos(ang).to(tl.float32), mask=m)
