@@ -156,10 +156,12 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
 
 def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int]:
     """Default (SEGS, BLOCK_D, BLOCK_S, num_warps): CSA (2m = 8 slots) whole rows per program, HCA
-    (128 slots) 64 channels and 32 slots per step (H200, 8K chunk: CSA main 37 µs at 4 warps,
-    indexer 20 µs at 1 warp vs 31 at 4; HCA 33 µs). The CPU interpreter wants few, small tiles."""
+    (128 slots) 32 channels with all 128 slots in one load. H200, one 8K chunk, graph replay with
+    the L2 flushed (benchmarks/tune_decode.py): CSA main 36 µs at 4 warps (2-4 segments per
+    program, 128-512 channels, 1-8 warps: 36-38 µs), indexer 20 µs at 1 warp (31 at 4); HCA 28 µs
+    (35 with 64 channels x 32 slots per step). The CPU interpreter wants few, small tiles."""
     if not cuda:
         return 1, min(triton.next_power_of_2(d), 128), min(triton.next_power_of_2(ns), 32), 4
     if ns >= 64:
-        return 1, 64, 32, 4
+        return 1, 32, triton.next_power_of_2(ns), 4
     return 1, triton.next_power_of_2(d), triton.next_power_of_2(ns), 1 if d <= 128 else 4
