@@ -71,6 +71,12 @@ def test_strided_rows_and_no_rotation(device, dtype):
         b = tri(x, w, 1e-6, c, s)
         tol = 2e-6 if dtype == torch.float32 else 2 ** -8
         torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol * a.float().abs().max().item())
+    # [T, H, D] view of a column slice (token stride 4 * 128 + 40): read in place
+    x3 = (torch.randn(6, 4 * 128 + 40, device=device) * 3).to(dtype)[:, 40:].view(6, 4, 128)
+    assert not x3.is_contiguous()
+    a = ref(x3.contiguous(), None, 1e-6, cos, sin, out_dtype=torch.float32)
+    torch.testing.assert_close(tri(x3, None, 1e-6, cos, sin, out_dtype=torch.float32), a, rtol=2e-6,
+                               atol=2e-6 * a.abs().max().item())
     norm = RMSNorm(512).to(device)
     norm.weight.data = w
     torch.testing.assert_close(ref(x, w, 1e-6, cos[:, :0], sin[:, :0]), norm(x), rtol=0, atol=0)

@@ -5,8 +5,10 @@ reference ops it is the readable twin (tests compare it with the general prefill
 
 On CUDA the step runs on two streams (a CUDA graph captures them as parallel branches):
 
-    main   q_a norm -> q_b GEMM (the layer's largest input read) -> q norm/RoPE -> CSA indexer queries
-    side   kv norm/RoPE -> window append -> compressor(s) -> entry norm/RoPE -> cache writes
+    main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] q norm/RoPE -> CSA
+           indexer queries
+    side   cos/sin -> kv norm/RoPE -> window append -> compressor(s) -> entry norm/RoPE -> cache
+           writes -> CSA indexer weights
     join   -> CSA indexer scores + top-k -> attention
 
 The side branch is a chain of small latency-bound kernels that would otherwise wait behind the
@@ -37,26 +39,34 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return _SIDE[device]
 
 
-def decode_attend(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                  cache: LayerCacheHandle, ops: types.SimpleNamespace) -> torch.Tensor:
+def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
+                  ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cache writes and attention for an all-decode batch.
 
     Args:
-        blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`);
-        cos/sin [B, r/2] at the tokens' positions.
+        blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`).
     Returns:
-        [B, H, D] fp32 attention output before the inverse RoPE.
+        [B, H, D] fp32 attention output before the inverse RoPE, and cos, sin [B, r/2] of the
+        tokens' positions.
     """
     b, st, sch = cache.batch, cache.state, cache.schema
     fmt = sch.kv_format
-    dev = cos.device
+    dev = b.positions.device
     pool = cache.paged
     comp = blk.compressor
     csa = sch.attn_type is AttentionType.CSA
+    main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     side = _side_stream(dev)
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        # The rotary table heads the side branch (only the main branch's q norm/RoPE waits for it).
+        # Side-stream tensors read by the main stream (cos, sin, g) are freed into the side stream's
+        # pool, whose next user (the next layer's side branch) first waits for the main stream.
+        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
+        table_ready = torch.cuda.Event() if side is not None else None
+        if table_ready is not None:
+            table_ready.record(side)
         kv = blk.window_kv(proj, cos, sin, ops)
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
@@ -73,11 +83,15 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: to
                 keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
                 ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
                                   b.block_table, epb)
-    q_res, q = blk.queries(proj, cos, sin, ops)
+                g = idx.weights(proj["iw"])
+    q_up = blk.query_up(blk.q_residual(proj, ops))
+    if table_ready is not None:
+        main.wait_event(table_ready)
+    q = blk.queries(q_up, cos, sin, ops)
     if csa:
-        qi, g = comp.indexer.queries(q_res, proj["iw"], cos, sin, sch.indexer_format, ops)
+        qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
     if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
+        main.wait_stream(side)
 
     indices = num_entries = None
     max_entries = 0
@@ -89,6 +103,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: to
                                               max_entries, sch.entries_per_block)
             indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
-    return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
-                                pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
-                                indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5)
+    o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
+                             pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
+                             indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5)
+    return o, cos, sin

@@ -35,28 +35,29 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.indexer_head_dim, bias=False)
         self.scorer = _Scorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def queries(self, q_res: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                fmt: EntryFormat, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [T, H_I, D_I] fp32 in the keys' stored basis and weights g [T, H_I] fp32.
-
-        Args:
-            q_res: [T, q_lora_rank]; w: [T, H_I] weights_proj(x); cos/sin: [T, r/2] of the tokens.
-        """
-        q = self.q_b_proj(q_res).view(q_res.shape[0], self.heads, self.dim)
+    def queries(self, iq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fmt: EntryFormat,
+                ops: types.SimpleNamespace) -> torch.Tensor:
+        """Queries [T, H_I, D_I] fp32 in the keys' stored basis from iq = q_b_proj(q_res) [T, H_I*D_I]
+        (the layer computes it with its own q_b_proj in one GEMM); cos/sin [T, r/2] of the tokens."""
+        q = iq.view(iq.shape[0], self.heads, self.dim)
         q = ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
-        return fmt.to_stored_basis(q), w.float() * self.heads ** -0.5
+        return fmt.to_stored_basis(q)
 
-    def select(self, q_res: torch.Tensor, w: torch.Tensor, cache: LayerCacheHandle, cos: torch.Tensor,
+    def weights(self, w: torch.Tensor) -> torch.Tensor:
+        """g = weights_proj(x) * H_I^-1/2 [T, H_I] fp32, from w = weights_proj(x)."""
+        return w.float() * self.heads ** -0.5
+
+    def select(self, iq: torch.Tensor, w: torch.Tensor, cache: LayerCacheHandle, cos: torch.Tensor,
                sin: torch.Tensor, ops: types.SimpleNamespace) -> torch.Tensor:
         """Top-k entries per query token, after this step's keys were flushed.
 
         Args:
-            q_res: [T, q_lora_rank]; w: [T, H_I] weights_proj(x); cos/sin: [T, r/2] of the tokens.
+            iq: [T, H_I*D_I] q_b_proj(q_res); w: [T, H_I] weights_proj(x); cos/sin: [T, r/2] of the tokens.
         Returns:
             [T, index_topk] int64 entry indices, -1 = nothing selected.
         """
         b, pool, sch = cache.batch, cache.paged, cache.schema
-        q, g = self.queries(q_res, w, cos, sin, sch.indexer_format, ops)
+        q, g = self.queries(iq, cos, sin, sch.indexer_format, ops), self.weights(w)
         n_entries = tuple(s // self.ratio for s in b.seq_lens_host)
         return ops.prefill_indexer_topk(q, g, pool.indexer, sch.indexer_format, b.block_table, b.token_request,
                                         b.positions, b.query_lens_host, n_entries, self.ratio, self.topk,

@@ -53,8 +53,8 @@ class AttentionSubBlock(nn.Module):
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False)
         self.sinks = nn.Parameter(torch.zeros(d))
         self.compressor: Compressor | None = None
+        csa = self.spec.attn is AttentionType.CSA
         if self.spec.attn is not AttentionType.SWA:
-            csa = self.spec.attn is AttentionType.CSA
             self.compressor = Compressor(h, dh, self.spec.compress_ratio, overlap=csa, eps=cfg.rms_norm_eps)
             if csa:
                 self.compressor.indexer = Indexer(cfg)
@@ -68,6 +68,8 @@ class AttentionSubBlock(nn.Module):
                 names += ["ic", "iz", "iw"]
                 linears += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
         self._input_names, self._inputs = names, FusedProjection(linears)
+        ups = [self.q_b_proj] + ([self.compressor.indexer.q_b_proj] if csa else [])
+        self._q_up_names, self._q_up = ["q", "iq"][:len(ups)], FusedProjection(ups)
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -99,29 +101,37 @@ class AttentionSubBlock(nn.Module):
         cfg = self.cfg
         ops = self._ops(cache)
         proj = self.project(x)
-        cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, proj, cos, sin, cache, ops)
+            o, cos, sin = decode_attend(self, proj, cache, ops)
         else:
-            q_res, q = self.queries(proj, cos, sin, ops)
-            o = self._attend_general(proj, q, q_res, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
+            cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
+            q_up = self.query_up(self.q_residual(proj, ops))
+            q = self.queries(q_up, cos, sin, ops)
+            o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
         o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
         return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
 
-    def queries(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels) and
-        q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] fp32."""
-        eps = self.cfg.rms_norm_eps
-        q_res = ops.norm_rope(proj["q_a"], self.q_a_norm.weight, eps, cos[:, :0], sin[:, :0])
-        q = self.q_b_proj(q_res).view(q_res.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
-        return q_res, ops.norm_rope(q, None, eps, cos, sin, out_dtype=torch.float32)
+    def q_residual(self, proj: dict[str, torch.Tensor], ops) -> torch.Tensor:
+        """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels)."""
+        q_a = proj["q_a"]
+        none = q_a.new_empty(q_a.shape[0], 0, dtype=torch.float32)
+        return ops.norm_rope(q_a, self.q_a_norm.weight, self.cfg.rms_norm_eps, none, none)
+
+    def query_up(self, q_res: torch.Tensor) -> dict[str, torch.Tensor]:
+        """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM."""
+        return dict(zip(self._q_up_names, self._q_up(q_res)))
+
+    def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
+        """q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] fp32."""
+        q = q_up["q"]
+        q = q.view(q.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
+        return ops.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin, out_dtype=torch.float32)
 
     def window_kv(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
         """kv = RoPE_t(RMSNorm_w(x W_kv)) [T, D], what the window ring stores."""
         return ops.norm_rope(proj["kv"], self.kv_norm.weight, self.cfg.rms_norm_eps, cos, sin)
 
-    def _attend_general(self, proj: dict[str, torch.Tensor], q: torch.Tensor, q_res: torch.Tensor,
+    def _attend_general(self, proj: dict[str, torch.Tensor], q: torch.Tensor, q_up: dict[str, torch.Tensor],
                         kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                         cache: LayerCacheHandle, ops) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens -> [T, H, D] fp32.
@@ -150,7 +160,7 @@ class AttentionSubBlock(nn.Module):
             cache.flush_compression(entries, ereq, eidx, ikeys)
             comp_kv, _ = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:
-                selected = comp.indexer.select(q_res, proj["iw"], cache, cos, sin, ops)
+                selected = comp.indexer.select(q_up["iq"], proj["iw"], cache, cos, sin, ops)
 
         o = torch.empty(t, nh, dh, dtype=torch.float32, device=dev)
         w, ratio = cfg.sliding_window, self.spec.compress_ratio

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, x_s0, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
+def _norm_rope_kernel(x_ptr, x_s0, x_s1, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
                       D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       NORMALIZE: tl.constexpr, WEIGHTED: tl.constexpr, INVERSE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -26,7 +26,8 @@ def _norm_rope_kernel(x_ptr, x_s0, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, hea
     p = tl.arange(0, BLOCK_P)                       # pair index
     pmask = p < D // 2
     m = rmask[:, None] & pmask[None, :]
-    src = rows.to(tl.int64)[:, None] * x_s0 + 2 * p[None, :]
+    r64 = rows.to(tl.int64)
+    src = ((r64 // heads) * x_s0 + (r64 % heads) * x_s1)[:, None] + 2 * p[None, :]
     base = rows.to(tl.int64)[:, None] * D + 2 * p[None, :]
     even = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
     odd = tl.load(x_ptr + src + 1, mask=m, other=0.0).to(tl.float32)
@@ -57,11 +58,11 @@ def _norm_rope_kernel(x_ptr, x_s0, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, hea
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
               normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`. A 2-D x may have any row
-    stride (a column slice of a wider projection is read in place)."""
+    """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`. x may have any token and head
+    strides (a column slice of a wider projection is read in place); channels must be contiguous."""
     d = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
-    if x.stride(-1) != 1 or (x.dim() == 3 and not x.is_contiguous()):
+    if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n_rows = x.numel() // d
@@ -70,8 +71,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     half_r = cos.shape[-1]
     block_rows = 4
     _norm_rope_kernel[(triton.cdiv(n_rows, block_rows),)](
-        x, x.stride(0) // heads, weight if weight is not None else x, cos.float().contiguous(),
-        sin.float().contiguous(), out, n_rows, heads, eps, D=d, HALF_R=half_r,
+        x, x.stride(0), x.stride(1) if x.dim() == 3 else 0, weight if weight is not None else x,
+        cos.float().contiguous(), sin.float().contiguous(), out, n_rows, heads, eps, D=d, HALF_R=half_r,
         BLOCK_P=triton.next_power_of_2(d // 2), BLOCK_ROWS=block_rows, NORMALIZE=normalize,
         WEIGHTED=weight is not None, INVERSE=inverse)
     return out
