@@ -27,12 +27,16 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_
                      stride_ct, stride_sr, stride_sk, stride_sp, D, B, nseg,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
                      SEGS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (SEGS consecutive segments, channel block). tab rows [8, B]: seg_base (B + 1 values),
+    """Program (channel block, SEGS consecutive segments). tab rows [8, B]: seg_base (B + 1 values),
     first, end, fin_base, tok0, p0, p1 (see `_request_table`). Every per-segment quantity is a
     [SEGS] vector; slot tiles are [SEGS, BLOCK_S, BLOCK_D]."""
-    seg = tl.program_id(0) * SEGS + tl.arange(0, SEGS)
+    # one grid axis, channel blocks fastest: the programs running side by side read neighbouring
+    # columns of the same token rows (whole rows from DRAM), not one column of many far-apart rows
+    n_cb = tl.cdiv(D, BLOCK_D)
+    cb = tl.program_id(0) % n_cb
+    seg = (tl.program_id(0) // n_cb) * SEGS + tl.arange(0, SEGS)
     live = seg < nseg
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs < D
     r = tl.arange(0, B_PAD)
     ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)          # seg_base[b + 1]
@@ -87,7 +91,7 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_
     fin = live & (w < end)
     dst = (fin_base + local).to(tl.int64)
     tl.store(out_ptr + dst[:, None] * D + offs[None, :], a / s, mask=fin[:, None] & dmask[None, :])
-    once = fin & (tl.program_id(1) + 0 * seg == 0)                       # the first channel block writes them
+    once = fin & (cb + 0 * seg == 0)                                      # the first channel block writes them
     tl.store(ereq_ptr + dst, b.to(tl.int64), mask=once)
     tl.store(eidx_ptr + dst, w.to(tl.int64), mask=once)
     # pending k = w - end: pending[b, :, k] of the [B, 3, NPEND, D] buffer (the state's layout)
@@ -145,7 +149,7 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     segs, block_d = segs or cfg[0], block_d or cfg[1]
     block_s, warps = block_s or cfg[2], num_warps or cfg[3]
     if nseg:
-        _compress_kernel[(triton.cdiv(nseg, segs), triton.cdiv(d, block_d))](
+        _compress_kernel[(triton.cdiv(nseg, segs) * triton.cdiv(d, block_d),)](
             c, z, state, entries, pending, e_out[0], e_out[1], tab, request_slots,
             c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, nseg,
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
