@@ -97,6 +97,7 @@ def main() -> int:
     from dsv4.bench import setup as bs
     from dsv4.bench.common import LAYER_INDEX, bench_config
     from dsv4.kernels.triton import decode_attention as att
+    from dsv4.kernels.triton import indexer_scan as scn
     from dsv4.kernels.triton import indexer_scores as sc
     from dsv4.kernels.triton import topk
 
@@ -118,7 +119,12 @@ def main() -> int:
                    dict(precision="bf16", block_n=64, num_warps=8, decode=1),
                    dict(precision="bf16", block_n=128, num_warps=8, decode=1)]:
             report(f"scores {kw}", sc, "_indexer_scores_kernel",
-                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, **kw))
+                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, scan=False, **kw))
+        for kw in [dict(precision="bf16x2", block_n=64), dict(precision="bf16x2", block_n=64, prefetch=False),
+                   dict(precision="bf16x2", block_n=128), dict(precision="bf16", block_n=64),
+                   dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:
+            report(f"scan {kw}", scn, "_indexer_scan_kernel",
+                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, **kw))
     if "attention" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

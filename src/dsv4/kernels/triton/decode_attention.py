@@ -1,5 +1,10 @@
 """Triton twin of `reference.decode.decode_attention`: sink attention of one query token per request.
 
+Two schemes. From 8 requests of 64 heads (bf16 operands, D 512) the two-pass one in
+`decode_attention_2p` (pass 1: logits of all heads per key tile into a scores buffer, pass 2:
+values per 128-channel slice; each key dequantised once per pass; see `_use_two_pass` for the
+H200 numbers: B = 64 128K CSA 190 -> 91 µs, HCA 302 -> 124 µs). Otherwise the fused kernel below:
+
     grid (head blocks, B, S): split s runs an online softmax over key tiles s, s+S, ... (window
     ring, then CSA indices / HCA entries); each tile is loaded once and feeds both q . K^T and
     p . V (V = K). S = 1 applies the sink in the kernel; S > 1 stores (m, l, acc) per split and
@@ -23,6 +28,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
+from dsv4.kernels.triton import decode_attention_2p as tp
 from dsv4.kernels.triton.decode_common import (
     LOG2E,
     Views,
@@ -33,6 +39,7 @@ from dsv4.kernels.triton.decode_common import (
     rows,
     sm_count,
     split_operand,
+    split_stats,
 )
 
 _MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": 2}
@@ -163,14 +170,7 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, out_ptr, s_pb, s_ps, s_ph, s_o
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
-    s = tl.arange(0, S_PAD)[:, None]
-    ml = pml_ptr + ((b * S + s) * H + h[None, :]) * 2
-    smask = (s < S) & hmask[None, :]
-    ms = tl.load(ml, mask=smask, other=float("-inf"))
-    ls = tl.load(ml + 1, mask=smask, other=0.0)
-    sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
-    m_f = tl.maximum(tl.max(ms, axis=0), sink)
-    den = tl.sum(tl.exp2(ms - m_f[None, :]) * ls, axis=0) + tl.exp2(sink - m_f)
+    m_f, den = split_stats(pml_ptr, sinks_ptr, b, h, hmask, H, S, S_PAD)
     d = tl.arange(0, D_PAD)[None, :]
     acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
     for si in range(S):
@@ -187,7 +187,11 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      sinks: torch.Tensor, scale: float, *, precision: str | None = None,
                      block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     split_keys: int | None = None) -> torch.Tensor:
+                     split_keys: int | None = None, two_pass: bool | None = None,
+                     score_block_n: int | None = None, score_warps: int | None = None,
+                     score_splits: int | None = None, value_block_n: int | None = None,
+                     value_block_d: int | None = None, value_warps: int | None = None,
+                     value_splits: int | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -200,6 +204,11 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         block_h, block_n, num_splits, num_warps, num_stages: heads per program, keys per tile, key
         splits per (request, head block), warps, pipeline depth (tuning; defaults per device).
         split_keys: the default num_splits gives each split at least this many keys (SPLIT_KEYS).
+        two_pass: use the two-pass scheme (`decode_attention_2p`; default: see `_use_two_pass`);
+        score_block_n, score_warps, score_splits: its pass 1 keys per tile, warps, key splits per
+        request; value_block_n, value_block_d, value_warps, value_splits: its pass 2 keys per tile,
+        value channels per program, warps, key splits (> 1: atomic adds, deterministic only at 2).
+        block_h, num_splits, split_keys apply to the fused kernel only.
     Returns:
         [B, H, D] fp32.
     """
@@ -219,19 +228,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     cuda = q.device.type == "cuda"
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
-    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
-    if cuda and prec in (1, 2) and nch >= 8 and bsz * triton.cdiv(heads, bh) >= sm_count(q.device):
-        bn, warps = 16, 4   # enough programs to fill the GPU: two 4-warp programs per SM hide more latency
-    bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
-    n_hb = triton.cdiv(heads, bh)
     ring = swa_pos.shape[1]
     n_comp = 0 if mode == 0 else (indices.shape[1] if mode == 1 else max_entries)
-    tiles = triton.cdiv(ring, bn) + triton.cdiv(n_comp, bn)
-    if num_splits is None:  # fill the GPU at small batch; >= split_keys keys per split keeps partials cheap
-        num_splits = max(1, min(triton.cdiv(2 * sm_count(q.device), bsz * n_hb),
-                                triton.cdiv(tiles * bn, split_keys or SPLIT_KEYS))) if cuda else 1
-    n_split = max(1, min(num_splits, tiles))
-
     wt = kv_fmt.typed(swa)
     ct = kv_fmt.typed(kv_views) if kv_views is not None else wt
     wkv, ckv = (wt["nope"], ct["nope"]) if kv_fmt.name == "fp8_ds" else (wt["kv"], ct["kv"])
@@ -241,6 +239,35 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     idx = indices if indices is not None else swa_pos
     nent = num_entries if num_entries is not None else request_slots
     q = q.float().contiguous()
+    if two_pass is None:
+        two_pass = _use_two_pass(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None)
+    if two_pass:
+        sbn, swarps, vbn, vdv, vwarps = _two_pass_tiles(nch, cuda)
+        sms = sm_count(q.device) if cuda else 0
+        splits = score_splits or (max(1, sms // bsz) if cuda else 2)   # one wave of pass-1 programs
+        vsplits = value_splits or ((2 if bsz * (nch * 64 // (value_block_d or vdv)) < sms else 1) if cuda else 2)
+        tp.two_pass(out, q, sinks, (wkv, wrope, wsc, ckv, crope, csc),
+                    (swa_pos, request_slots, positions, bt, idx, nent),
+                    (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
+                     *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0)),
+                    ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                    dim=dim, nope=kv_fmt.dim - kv_fmt.rope_dim, nch=nch, fmt=_MAIN_FMT[kv_fmt.name], mode=mode,
+                    prec=prec, native=cuda, block_n=score_block_n or sbn, warps=score_warps or swarps,
+                    splits=splits, block_nv=value_block_n or vbn, block_dv=value_block_d or vdv,
+                    warps_v=value_warps or vwarps, value_splits=vsplits,
+                    stages=num_stages or TWO_PASS_STAGES)
+        return out
+    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
+    if cuda and prec in (1, 2) and nch >= 8 and bsz * triton.cdiv(heads, bh) >= sm_count(q.device):
+        bn, warps = 16, 4   # enough programs to fill the GPU: two 4-warp programs per SM hide more latency
+    bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
+    n_hb = triton.cdiv(heads, bh)
+    tiles = triton.cdiv(ring, bn) + triton.cdiv(n_comp, bn)
+    if num_splits is None:  # fill the GPU at small batch; >= split_keys keys per split keeps partials cheap
+        num_splits = max(1, min(triton.cdiv(2 * sm_count(q.device), bsz * n_hb),
+                                triton.cdiv(tiles * bn, split_keys or SPLIT_KEYS))) if cuda else 1
+    n_split = max(1, min(num_splits, tiles))
+
     if n_split == 1:
         part, pml, s_split = out, out, 0
     else:
@@ -276,6 +303,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     switches to 16 keys x 4 warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it
     loses: 29 vs 23 µs). The fp32 FMA dots of "ieee"/"tf32x3" spill at D 512 for any tile
     (validation formats: correct, slow). The CPU interpreter wants few, small tiles.
+    From 8 requests of 64 heads the two-pass scheme replaces this kernel (`_use_two_pass`): its
+    64 heads per program dequantise each key once instead of 4 times, 2x faster at B = 64.
     """
     if not cuda:
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
@@ -284,3 +313,42 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     if nch >= 8:
         return 16, 32, 8
     return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
+
+
+#: software-pipelining depth of both passes: 1, the loops pipeline their loads by hand (Triton's
+#: 2 / 3 measured slower: H200, B = 64 CSA 140 / 139 µs vs 107)
+TWO_PASS_STAGES = 1
+#: the fused kernel below this many (request, head) pairs on CUDA, the two-pass scheme from it
+TWO_PASS_MIN_ROWS = 8 * 64
+
+
+def _use_two_pass(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> bool:
+    """Default scheme: two-pass for bf16 operands at D 512 from 8 requests of 64 heads; the CPU
+    interpreter takes it whenever no fused-kernel knob is given, so the tests cover both.
+
+    H200, Triton 3.6, context 128K, CUDA-graph replays with L2 flushed (benchmarks/tune_decode.py),
+    fused -> two-pass at its defaults: B = 64 CSA 190 -> 91 µs, HCA 302 -> 124 µs; B = 16 (value
+    splits 2, score splits 8) CSA 72.5 -> 41, HCA 110 -> 51; B = 8 (value splits 2, score splits
+    16) CSA 45 -> 38, HCA 70 -> 46; B = 1 the fused kernel wins (CSA 22.8 vs 26 µs at value
+    splits 8, 34 at 1; HCA 26.4 vs 29 / 45). Max |err| / max |ref| at B = 64 vs the reference:
+    2.9e-3 CSA, 2.6e-3 HCA (fused: 2.6e-3, 2.7e-3); repeated calls bit-identical.
+    """
+    if not cuda:
+        return no_fused_knobs
+    return prec == 1 and nch >= 8 and bsz * heads >= TWO_PASS_MIN_ROWS
+
+
+def _two_pass_tiles(nch: int, cuda: bool) -> tuple[int, int, int, int, int]:
+    """Default (score BLOCK_N, score warps, value BLOCK_N, value DV, value warps) of the two-pass scheme.
+
+    sm_90 compiles (benchmarks/compile_report.py style, num_stages 1): pass 1 at 32 keys x 8 warps
+    205 registers, 96 KB shared (q [64, 512] bf16 + the key tile), no spills, 1 program per SM,
+    hence score splits = SMs // B (one wave; B = 64: 2 splits 90 µs vs 3: 102, 4: 95, 5: 105);
+    32 keys x 4 warps spills. Pass 2 at 32 keys x 128 channels x 4 warps: 246 registers, no spills;
+    DV 64 / 256, 16 / 64 keys, 8 warps were all slower at B = 64 (e.g. CSA 117, 106, 128, 116 µs).
+    Value splits (atomic adds into a zeroed out, deterministic at 2) pay below ~1 wave of pass-2
+    programs: B = 16 CSA 57 -> 48 µs at 2; at B = 64 they cost (105 -> 113).
+    """
+    if not cuda:
+        return 16, 4, 16, min(128, nch * 64), 4
+    return 32, 8, 32, 128, 4

@@ -68,6 +68,20 @@ def dot_prec(a_hi, a_lo, b, PREC: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def split_stats(pml_ptr, sinks_ptr, b, h, hmask, H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr):
+    """Final max M = max(m_s, sink) and denominator sum_s 2^(m_s - M) l_s + 2^(sink - M) of the key
+    splits' softmax stats pml [B, S, H, 2] (log2 domain) for request b's heads h."""
+    s = tl.arange(0, S_PAD)[:, None]
+    ml = pml_ptr + ((b * S + s) * H + h[None, :]) * 2
+    smask = (s < S) & hmask[None, :]
+    ms = tl.load(ml, mask=smask, other=float("-inf"))
+    ls = tl.load(ml + 1, mask=smask, other=0.0)
+    sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(tl.max(ms, axis=0), sink)
+    return m_f, tl.sum(tl.exp2(ms - m_f[None, :]) * ls, axis=0) + tl.exp2(sink - m_f)
+
+
+@triton.jit
 def locate(bt_row, w, valid, epb, max_blocks):
     """Entry indices w [N] -> (physical block int64, row), as the reference: masked -> block 0."""
     wc = tl.maximum(w, 0)

@@ -1,0 +1,187 @@
+"""Indexer scan for E2M1 keys (mxfp4, nvfp4) with the keys on the M side of the tensor-core dot:
+the default path of `indexer_scores.paged_indexer_scores` for them (precision bf16 / bf16x2).
+
+    grid (B, P): program p scans key tiles p, p+P, ... of its request up to num_entries[b] only;
+    a second loop writes -inf to its tiles past that (no key bytes read, no block-table lookups).
+
+Per tile of BLOCK_N keys: S^T[N, H] = K[N, D] . q^T[D, H], the dequantised keys as the register
+operand A of the wgmma and q^T (loaded once per program, bf16 hi + lo for bf16x2) as operand B in
+shared memory, then score[n] = sum_h w_h ReLU(S^T[n, h]) * D^-1/2. Each key row is read as D/8
+int32 words: nibble i of word j is element 8j + i (little-endian bytes, low nibble first), so
+the decode is in element order and one K = D dot per q part replaces the previous kernel's
+even/odd split (two dots per q part). Entries per block are a compile-time constant (block-table
+column and row by shifts; -18% instructions in the loop).
+
+PREFETCH (default): software pipelining by hand. Iteration t issues the block-table lookups of
+tile t + 2P and the key / scale loads of tile t + P (whose page ids arrived an iteration ago)
+before it decodes and multiplies tile t, so the dependent load chain overlaps the math.
+KEYS_M=False: the previous orientation (q [H, D] in registers as operand A, K^T in shared
+memory as B), kept for tuning.
+
+Measured (H200, Triton 3.6, V4 shapes H 64, D 128, mxfp4, context 128K, bf16x2, CUDA-graph
+replays; the previous kernel in the same runs: 462 µs at B = 64, 21.6-22.0 µs at B = 1):
+B = 64 238.8 µs at 33 programs per request (259 at 17, 277 at 9), B = 8 38.6 µs (was 66.9),
+B = 1 11.0-11.5 µs. Alternatives, B = 64 / B = 1: no prefetch 241.6 / 12.7 (at 17 programs per
+request 275 vs 259: the hand pipelining matters less once more programs share an SM); BLOCK_N 128
+259 / 11.8 (227 registers); KEYS_M=False, BLOCK_N 128, no prefetch 276 / 13.0; 8 warps slower
+everywhere (478-670 at B = 64); num_stages 1 no effect; eight nibble planes joined with tl.join
+(8 consecutive elements per thread) the same (256 / 11.0, removed). Single-bf16 dots only 8-13%
+faster (208-226 µs): the loop is bound by the decode and by Triton's register-to-shared layout
+conversion of the decoded tile (64 scalar 16-bit shared stores per thread per tile in the SASS,
+~975 instructions per thread per tile), not by the MMAs. 162 registers, no spills (sm_90,
+4 warps, BLOCK_N 64).
+
+No host reads of device data, grid from static sizes: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_MXFP4: tl.constexpr = tl.constexpr(3)
+_NVFP4: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def _locate(bt_row, w, valid, EPB: tl.constexpr, max_blocks):
+    """`decode_common.locate` with entries per block a compile-time constant (w >= 0): shifts, not divisions."""
+    col = tl.minimum(w // EPB, max_blocks - 1)
+    blk = tl.load(bt_row + col, mask=valid, other=0)
+    blk = tl.where(blk >= 0, blk, 0)
+    return blk.to(tl.int64), w % EPB
+
+
+@triton.jit
+def _tile_loads(data_ptr, scale_ptr, glob_ptr, page, row, valid, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr,
+                FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
+    """Key words [N, NW, 1] int32, their group scales [N, NW, 1] fp32 (times 2^UNIT) and the per-key
+    fp32 global scale [N] (nvfp4; 1 for mxfp4) of one tile's keys."""
+    j = tl.arange(0, NW)[None, :, None]
+    v3 = valid[:, None, None]
+    base = data_ptr + page[:, None, None] * s_dp + row[:, None, None] * s_dr
+    words = tl.load(base.to(tl.pointer_type(tl.int32)) + j, mask=v3, other=0)
+    sp = scale_ptr + page[:, None, None] * s_sp + row[:, None, None] * s_sr + j // WPG
+    if FMT == _MXFP4:   # UE8M0 byte e+127 -> 2^e * 2^UNIT (undoes the decode's 2^-UNIT)
+        sc = ((tl.load(sp, mask=v3, other=0).to(tl.int32) + UNIT) << 23).to(tl.float32, bitcast=True)
+        glob = tl.full(valid.shape, 1.0, tl.float32)
+    else:               # e4m3 group scale (keys stay exact in bf16); the global scale multiplies the dot
+        sc = tl.load(sp, mask=v3, other=0.0).to(tl.float32) * UNIT_MUL
+        glob = tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)
+    return words, sc, glob
+
+
+@triton.jit
+def _decode_words(words, sc, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[N, NW, 1] words and scales -> keys [N, D] fp32 in element order (exact)."""
+    sh = (4 * tl.arange(0, 8))[None, None, :]
+    code = (words >> sh) & 15
+    bits = ((code & 8) << 12) | ((code & 7) << 9)            # fp16 bits of value * 2^-14
+    val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * sc
+    return tl.reshape(val, [BLOCK_N, D])
+
+
+@triton.jit
+def _indexer_scan_kernel(
+        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
+        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
+        num_tiles, max_entries, max_blocks, out_scale, EPB: tl.constexpr,
+        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+        D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+        KEYS_M: tl.constexpr,
+        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
+    b = tl.program_id(0)
+    p0 = tl.program_id(1)
+    step = tl.num_programs(1)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < H
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0)
+    d = tl.arange(0, D)
+    if KEYS_M:      # q^T [D, H]: operand B (shared memory)
+        qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
+    else:           # q [H, D]: operand A (registers)
+        qt = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    if NATIVE:
+        qt_hi = qt.to(tl.bfloat16)
+        qt_lo = (qt - qt_hi.to(tl.float32)).to(tl.bfloat16)
+    else:       # the interpreter's bf16 dot is wrong: the same rounded operands through fp32 dots
+        qt_hi = qt.to(tl.bfloat16).to(tl.float32)
+        qt_lo = (qt - qt_hi).to(tl.bfloat16).to(tl.float32)
+    n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
+    nt = tl.cdiv(n_b, BLOCK_N)
+    bt_row = bt_ptr + b * s_bt
+    ar = tl.arange(0, BLOCK_N)
+    out_row = out_ptr + b * s_ob
+
+    if PREFETCH:
+        o0 = p0 * BLOCK_N + ar
+        pg, rw = _locate(bt_row, o0, o0 < n_b, EPB, max_blocks)
+        words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, o0 < n_b, s_dp, s_dr, s_sp, s_sr,
+                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+        o1 = o0 + step * BLOCK_N
+        pg_n, rw_n = _locate(bt_row, o1, o1 < n_b, EPB, max_blocks)
+    for tile in range(p0, nt, step):
+        offs = tile * BLOCK_N + ar
+        valid = offs < n_b
+        if PREFETCH:
+            o2 = offs + 2 * step * BLOCK_N
+            pg_nn, rw_nn = _locate(bt_row, o2, o2 < n_b, EPB, max_blocks)
+            o1 = offs + step * BLOCK_N
+            words_n, sc_n, gl_n = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg_n, rw_n, o1 < n_b, s_dp, s_dr,
+                                              s_sp, s_sr, s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+        else:
+            pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
+            words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
+                                        s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+        k = _decode_words(words, sc, BLOCK_N, D)
+        if NATIVE:
+            k = k.to(tl.bfloat16)
+            ip: tl.constexpr = None
+        else:
+            ip: tl.constexpr = "ieee"
+        if KEYS_M:      # S^T [N, H]
+            s = tl.dot(k, qt_hi, input_precision=ip)
+            if PREC == 2:
+                s += tl.dot(k, qt_lo, input_precision=ip)
+            if FMT == _NVFP4:
+                s = s * gl[:, None]
+            score = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * out_scale
+        else:           # S [H, N]
+            kt = tl.trans(k)
+            s = tl.dot(qt_hi, kt, input_precision=ip)
+            if PREC == 2:
+                s += tl.dot(qt_lo, kt, input_precision=ip)
+            if FMT == _NVFP4:
+                s = s * gl[None, :]
+            score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * out_scale
+        tl.store(out_row + offs, tl.where(valid, score, float("-inf")), mask=offs < max_entries)
+        if PREFETCH:
+            words, sc, gl = words_n, sc_n, gl_n
+            pg_n, rw_n = pg_nn, rw_nn
+    # tiles past this request's entries: -inf only
+    first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
+    for tile in range(first, num_tiles, step):
+        offs = tile * BLOCK_N + ar
+        tl.store(out_row + offs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs < max_entries)
+
+
+def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
+    """Whether `_indexer_scan_kernel` runs this call: E2M1 keys readable as aligned int32 words."""
+    return (fmt_name in ("mxfp4", "nvfp4") and prec in (1, 2) and dim % 32 == 0 and (dim & (dim - 1)) == 0
+            and data.data_ptr() % 4 == 0 and data.stride(0) % 4 == 0 and data.stride(1) % 4 == 0)
+
+
+def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
+                *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool, num_warps: int,
+                num_stages: int | None):
+    heads, dim = q.shape[1], q.shape[2]
+    ge = 32 if fmt_name == "mxfp4" else 16           # elements per scale group
+    extra = {"num_stages": num_stages} if num_stages else {}
+    return _indexer_scan_kernel[grid](
+        q, weights, out, data, scale, glob, block_table, num_entries,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
+        scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
+        tiles, max_entries, block_table.shape[1], dim ** -0.5, EPB=epb,
+        FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
+        PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14, num_warps=num_warps, **extra)
