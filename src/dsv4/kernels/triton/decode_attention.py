@@ -165,18 +165,24 @@ def _decode_attn_kernel(
 @triton.jit
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
                     H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    D: tl.constexpr, D_PAD: tl.constexpr):
-    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)."""
+                    D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink).
+
+    Program (b, head block, 64-channel block); eight splits' loads per trip are in flight together
+    (one load per trip over whole rows left B = 1 with 4 programs waiting on each split in turn)."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     m_f, den = split_stats(pml_ptr, sinks_ptr, b, h, hmask, H, S, S_PAD)
-    d = tl.arange(0, D_PAD)[None, :]
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
-    for si in range(S):
-        m_s = tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=hmask, other=float("-inf"))
-        part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d, mask=hmask[:, None], other=0.0)
-        acc += tl.exp2(m_s - m_f)[:, None] * part
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
+        for u in tl.static_range(8):
+            si = s0 + u
+            ok = hmask & (si + 0 * h < S)
+            m_s = tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf"))
+            part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d, mask=ok[:, None], other=0.0)
+            acc += tl.exp2(m_s - m_f)[:, None] * part
     tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, acc / den[:, None], mask=hmask[:, None] & (d < D))
 
 
@@ -287,9 +293,10 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     note_compile("decode_attention", k)
     if n_split > 1:
         bhc = min(16, triton.next_power_of_2(heads))
-        _combine_kernel[(bsz, triton.cdiv(heads, bhc))](
+        bdc = 64 if cuda else nch * 64
+        _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
             part, pml, sinks, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, D_PAD=nch * 64,
+            H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
             num_warps=4)
     return out
 
