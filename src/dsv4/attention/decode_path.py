@@ -90,14 +90,15 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     q = blk.queries(q_up, cos, sin, ops)
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
-    if side is not None:
-        main.wait_stream(side)
-
     indices = num_entries = None
     max_entries = 0
     if comp is not None:
         max_entries = b.seq_len_bound // sch.compress_ratio
-        num_entries = b.seq_lens // sch.compress_ratio
+        num_entries = b.seq_lens // sch.compress_ratio          # before the join: off the critical path
+    if side is not None:
+        main.wait_stream(side)
+
+    if comp is not None:
         if csa:
             scores = ops.paged_indexer_scores(qi, g, pool.indexer, sch.indexer_format, b.block_table, num_entries,
                                               max_entries, sch.entries_per_block)
