@@ -47,7 +47,7 @@ class Compressor(nn.Module):
         entries, req, idx = ops.compress_update(c.float(), z, state, batch.request_slots, batch.start_positions_host,
                                                 batch.query_lens_host, self.ratio, self.overlap)
         cos, sin = ops.rope_cos_sin(rope.inv_freq_on(c.device), idx, self.ratio)
-        return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin), req, idx
+        return self.finish(entries, cos, sin, ops), req, idx
 
     def compress_decode(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
                         ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:

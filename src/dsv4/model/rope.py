@@ -39,7 +39,8 @@ def yarn_inv_freq(rope_dim: int, theta: float, factor: float, original_max_posit
 
 
 class RopeTable:
-    """One rotary table: cos/sin of any positions, computed on the fly in float64."""
+    """One rotary table's inverse frequencies (float64); the op `rope_cos_sin` turns positions into
+    cos/sin on the fly (`dsv4.kernels.reference.norm_rope`, and its Triton twin)."""
 
     def __init__(self, rope_dim: int, inv_freq: torch.Tensor):
         self.rope_dim = rope_dim
@@ -62,10 +63,6 @@ class RopeTable:
             self._on[device] = self.inv_freq.to(device)
         return self._on[device]
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] int -> cos, sin [..., r/2] float32."""
-        ang = positions.to(torch.float64)[..., None] * self.inv_freq_on(positions.device)
-        return ang.cos().float(), ang.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
