@@ -149,9 +149,22 @@ def test_hadamard_rotation_is_orthogonal_and_applied():
     rotated = fmt.to_stored_basis(x)
     h = quant.hadamard_matrix(128)
     assert torch.allclose(rotated, x @ h) and torch.allclose(h @ h, torch.eye(128), atol=1e-6)
-    # keys are stored rotated: encoding rotated keys without the rotation gives the same bytes
-    direct = quant.fp8_encode(rotated)
+    # keys are stored rotated by the butterfly: the same rotation, and encoding its output
+    # without the rotation gives the same bytes
+    keys = quant.fwht(x)
+    assert torch.allclose(keys, rotated, atol=1e-6)
+    direct = quant.fp8_encode(keys)
     assert all(torch.equal(a, b) for a, b in zip(fmt.encode(x).values(), direct))
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 128, 512])
+def test_fwht_is_the_hadamard_product_in_a_fixed_order(n):
+    x = torch.randn(3, 5, n) * torch.exp(3 * torch.randn(3, 5, n))
+    got = quant.fwht(x)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert torch.allclose(got, x @ quant.hadamard_matrix(n), rtol=1e-5, atol=1e-5 * x.abs().max().item())
+    # its own inverse (H is symmetric and orthogonal), to rounding
+    assert torch.allclose(quant.fwht(got), x, rtol=1e-4, atol=1e-5 * x.abs().max().item())
 
 
 # ------------------------------------------------------------------ non-finite inputs

@@ -124,7 +124,7 @@ class EntryFormat:
             raise FormatError(f"{self.name} entries have {self.dim} channels, got {x.shape[-1]}")
         x = x.reshape(-1, self.dim)
         if self.hadamard:
-            x = quant.hadamard_rotate(x.float())
+            x = quant.fwht(x)
         return dict(zip((r.name for r in self.regions), _ENCODE[self.name](x, self.rope_dim)))
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:

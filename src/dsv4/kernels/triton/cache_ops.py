@@ -19,13 +19,14 @@ each view's base pointer and its (page, row) strides.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
-from dsv4.kernels.reference import quant
 from dsv4.kernels.triton.encode import _FORMAT_ID, _encode_row
 
 Views = dict[str, torch.Tensor]
@@ -38,7 +39,7 @@ def _append_window_kernel(
         kv_ptr, kv_s0, kv_s1, pos_ptr, treq_ptr, rslot_ptr, seq_ptr, swa_pos_ptr, sp_s0, sp_s1, head_ptr,
         r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, T, B, W,
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-        SB: tl.constexpr, SB_P2: tl.constexpr):
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr):
     """Program i: token i (if i < T) into its ring row, and request i's head (if i < B)."""
     i = tl.program_id(0)
     is_tok = i < T
@@ -51,7 +52,8 @@ def _append_window_kernel(
     row = tl.where(row < 0, row + W, row).to(tl.int64)   # floor modulo, as torch's %
     x_ptr = kv_ptr + i.to(tl.int64) * kv_s0
     _encode_row(x_ptr, kv_s1, r0 + slot * r0_s0 + row * r0_s1, r1 + slot * r1_s0 + row * r1_s1,
-                r2 + slot * r2_s0 + row * r2_s1, keep.to(tl.int32), FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2)
+                r2 + slot * r2_s0 + row * r2_s1, keep.to(tl.int32), FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2,
+                HAD, LOG_D, HSCALE)
     tl.store(swa_pos_ptr + slot * sp_s0 + row * sp_s1, pos.to(swa_pos_ptr.dtype.element_ty), mask=keep)
     is_req = i < B
     hslot = tl.load(rslot_ptr + i, mask=is_req, other=0).to(tl.int64)
@@ -64,7 +66,7 @@ def _write_entries_kernel(
         x_ptr, x_s0, x_s1, ereq_ptr, eidx_ptr, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
         r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1,
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-        SB: tl.constexpr, SB_P2: tl.constexpr):
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr):
     """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
     (the reference's `_locate`)."""
     i = tl.program_id(0)
@@ -78,7 +80,7 @@ def _write_entries_kernel(
     row = tl.where(ok, e % epb, 0)
     _encode_row(x_ptr + i.to(tl.int64) * x_s0, x_s1, r0 + page * r0_s0 + row * r0_s1,
                 r1 + page * r1_s0 + row * r1_s1, r2 + page * r2_s0 + row * r2_s1, 1,
-                FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2)
+                FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE)
 
 
 @triton.jit
@@ -151,8 +153,12 @@ def _format_meta(fmt: EntryFormat) -> dict[str, int]:
     if fmt.name not in _FORMAT_ID:
         raise FormatError(f"the Triton cache writes do not know format {fmt.name!r}")
     sb = fmt.regions[1].bytes_per_entry if fmt.name == "fp8_ds" else 0
-    return {"FMT": _FORMAT_ID[fmt.name], "D": fmt.dim, "D_P2": _p2(fmt.dim), "ROPE": fmt.rope_dim,
-            "ROPE_P2": _p2(fmt.rope_dim), "SB": sb, "SB_P2": _p2(sb)}
+    fid = _FORMAT_ID[fmt.name]
+    if fmt.hadamard and (fid < 3 or fmt.dim & (fmt.dim - 1)):
+        raise FormatError(f"the Triton cache writes rotate only power-of-two indexer rows, not {fmt.name}-{fmt.dim}")
+    return {"FMT": fid, "D": fmt.dim, "D_P2": _p2(fmt.dim), "ROPE": fmt.rope_dim,
+            "ROPE_P2": _p2(fmt.rope_dim), "SB": sb, "SB_P2": _p2(sb), "HAD": fmt.hadamard,
+            "LOG_D": fmt.dim.bit_length() - 1, "HSCALE": float(torch.tensor(1.0 / math.sqrt(fmt.dim)))}
 
 
 def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:
@@ -191,8 +197,6 @@ def append_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, swa_head:
     t, b = kv.shape[0], seq_lens.shape[0]
     if max(t, b) == 0:
         return
-    if fmt.hadamard:  # window rings hold main formats; kept for parity with the reference's encode
-        kv = quant.hadamard_rotate(kv.float())
     w = swa_pos.shape[1]
     regions = _region_args(swa, fmt, 3)
     _append_window_kernel[(max(t, b),)](
@@ -212,15 +216,13 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
         views: pool region views {name: [N, epb, bytes] uint8}.
         rows: [E, D] float entries; entry_request [E] int (batch index), entry_index [E] int (-1 = padding).
         block_table: [B, max_blocks] int32 (-1 = none); epb: entries per block.
-    Indexer formats with `fmt.hadamard` rotate rows with the reference's own torch matmul first
-    (a fused tl.dot would sum in another order and flip roundings).
+    Indexer formats with `fmt.hadamard` rotate each row by the butterfly in the kernel (the
+    reference's `quant.fwht`, the same adds in the same order).
     """
     _check_rows(fmt, rows)
     e = rows.shape[0]
     if e == 0:  # a step that finishes no entry (a shape, not a device value)
         return
-    if fmt.hadamard:
-        rows = quant.hadamard_rotate(rows.float())
     _write_entries_kernel[(e,)](
         rows, rows.stride(0), rows.stride(1), entry_request, entry_index, block_table,
         block_table.stride(0), block_table.stride(1), block_table.shape[1], epb,

@@ -166,12 +166,11 @@ def _store_packed(row, codes, ok, GROUPS: tl.constexpr, GSIZE: tl.constexpr):
 
 
 @triton.jit
-def _encode_mxfp4(x_ptr, xs, d_row, s_row, ok, D: tl.constexpr):
-    """data row = D/2 packed E2M1 bytes, scale row = D/32 UE8M0 bytes."""
+def _encode_mxfp4(x, d_row, s_row, ok, D: tl.constexpr):
+    """x [D] fp32 -> data row = D/2 packed E2M1 bytes, scale row = D/32 UE8M0 bytes."""
     G: tl.constexpr = D // 32
     g = tl.arange(0, G)
-    off = g[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = _no_nan(tl.load(x_ptr + off * xs, mask=off < D * ok, other=0.0).to(tl.float32))
+    x = _no_nan(tl.reshape(x, (G, 32)))
     amax = tl.maximum(tl.max(_finite_abs(x), axis=1), 7.052966104933725e-38)   # 6 * 2^-126
     e = _ceil_log2_ratio(amax, 3, 0x400000)                                     # 6 = 0.75 * 2^3
     _store_packed(d_row, _e2m1_codes(x * _pow2(-e)[:, None]), ok, G, 32)
@@ -179,10 +178,9 @@ def _encode_mxfp4(x_ptr, xs, d_row, s_row, ok, D: tl.constexpr):
 
 
 @triton.jit
-def _encode_fp8(x_ptr, xs, d_row, s_row, ok, D: tl.constexpr):
-    """data row = D e4m3 bytes of x / c, scale row = c = max(amax, 1e-4) / 448 as fp32 bytes."""
+def _encode_fp8(x, d_row, s_row, ok, D: tl.constexpr):
+    """x [D] fp32 -> data row = D e4m3 bytes of x / c, scale row = c = max(amax, 1e-4) / 448 as fp32 bytes."""
     k = tl.arange(0, D)
-    x = tl.load(x_ptr + k * xs, mask=k < D * ok, other=0.0).to(tl.float32)
     c = tl.math.div_rn(tl.maximum(tl.max(_finite_abs(x), axis=0), 1e-4), 448.0)
     q = _e4m3_bits(tl.math.div_rn(_no_nan(x), c))
     tl.store(d_row + k, q.to(tl.uint8), mask=k < D * ok)
@@ -190,12 +188,11 @@ def _encode_fp8(x_ptr, xs, d_row, s_row, ok, D: tl.constexpr):
 
 
 @triton.jit
-def _encode_nvfp4(x_ptr, xs, d_row, s_row, g_row, ok, D: tl.constexpr):
-    """data row = D/2 packed E2M1 bytes, scale row = D/16 e4m3 bytes, global row = fp32 g."""
+def _encode_nvfp4(x, d_row, s_row, g_row, ok, D: tl.constexpr):
+    """x [D] fp32 -> data row = D/2 packed E2M1 bytes, scale row = D/16 e4m3 bytes, global row = fp32 g."""
     G: tl.constexpr = D // 16
     gi = tl.arange(0, G)
-    off = gi[:, None] * 16 + tl.arange(0, 16)[None, :]
-    x = tl.load(x_ptr + off * xs, mask=off < D * ok, other=0.0).to(tl.float32)
+    x = tl.reshape(x, (G, 16))
     amax16 = tl.max(_finite_abs(x), axis=1)                                     # [G]
     g = tl.math.div_rn(tl.maximum(tl.max(amax16, axis=0), 1e-4), 2688.0)       # 448 * 6
     s = _e4m3_bits(tl.math.div_rn(amax16, 6.0 * g))
@@ -207,9 +204,24 @@ def _encode_nvfp4(x_ptr, xs, d_row, s_row, g_row, ok, D: tl.constexpr):
 
 
 @triton.jit
+def _fwht(x, N: tl.constexpr, LOG_N: tl.constexpr, SCALE: tl.constexpr):
+    """x [N] fp32 -> x @ H_N: the butterfly of `reference.quant.fwht`, the same fp32 adds in the
+    same order (stage h pairs x[i], x[i + h] -> (a + b, a - b)), then one multiply by SCALE =
+    fp32(1/sqrt(N)): bit for bit the reference's result."""
+    for s in tl.static_range(LOG_N):
+        h: tl.constexpr = 1 << s
+        pairs = tl.permute(tl.reshape(x, (N // (2 * h), 2, h)), (0, 2, 1))    # [.., h, 2]: (a, b) last
+        a, b = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+    return x * SCALE
+
+
+@triton.jit
 def _encode_row(x_ptr, xs, r0, r1, r2, ok, FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SB: tl.constexpr, SB_P2: tl.constexpr):
-    """Encode the row at x_ptr (element stride xs) into region rows r0, r1, r2 (byte pointers).
+                ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SB: tl.constexpr, SB_P2: tl.constexpr,
+                HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr):
+    """Encode the row at x_ptr (element stride xs) into region rows r0, r1, r2 (byte pointers);
+    HAD: rotate it by the Hadamard butterfly first (indexer formats: D a power of two).
 
     ok (int 0/1) gates every load and store; it is an int, not a bool, and the masks are
     comparisons against `bound * ok`, because Triton's interpreter cannot broadcast a scalar
@@ -221,12 +233,17 @@ def _encode_row(x_ptr, xs, r0, r1, r2, ok, FMT: tl.constexpr, D: tl.constexpr, D
         _encode_bf16(x_ptr, xs, r0, ok, D, D_P2)
     elif FMT == 2:
         _encode_fp32(x_ptr, xs, r0, ok, D, D_P2)
-    elif FMT == 3:
-        _encode_mxfp4(x_ptr, xs, r0, r1, ok, D)
-    elif FMT == 4:
-        _encode_fp8(x_ptr, xs, r0, r1, ok, D)
-    else:
-        _encode_nvfp4(x_ptr, xs, r0, r1, r2, ok, D)
+    else:                                       # the indexer's quantised formats: one [D] row in registers
+        k = tl.arange(0, D)
+        x = tl.load(x_ptr + k * xs, mask=k < D * ok, other=0.0).to(tl.float32)
+        if HAD:
+            x = _fwht(x, D, LOG_D, HSCALE)
+        if FMT == 3:
+            _encode_mxfp4(x, r0, r1, ok, D)
+        elif FMT == 4:
+            _encode_fp8(x, r0, r1, ok, D)
+        else:
+            _encode_nvfp4(x, r0, r1, r2, ok, D)
 
 
 # ====================================================================== kernels
