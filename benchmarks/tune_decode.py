@@ -249,16 +249,17 @@ def prefill_compress(chunk: int = 8192) -> None:
         # (segs, block_d, block_s, num_warps); {} = the defaults
         variants: list[dict[str, int]] = [{}]
         if name == "csa main":
-            variants += [dict(segs=1, block_d=128, num_warps=1), dict(segs=2, block_d=256, num_warps=4),
-                         dict(segs=4, block_d=128, num_warps=4), dict(segs=2, block_d=512, num_warps=8),
-                         dict(segs=1, block_d=256, num_warps=2)]
+            variants += [dict(segs=4, block_d=256, num_warps=8), dict(segs=4, block_d=64, num_warps=2),
+                         dict(segs=8, block_d=128, num_warps=8), dict(segs=4, block_d=512, num_warps=8),
+                         dict(segs=4, block_d=128, num_warps=2), dict(segs=8, block_d=64, num_warps=4)]
         elif name == "csa indexer":
-            variants += [dict(segs=4, num_warps=4), dict(segs=2, num_warps=2), dict(segs=8, num_warps=8),
-                         dict(segs=4, block_d=64, num_warps=2), dict(segs=2, num_warps=4)]
+            variants += [dict(segs=4, num_warps=2), dict(segs=8, num_warps=4), dict(segs=4, block_d=64, num_warps=2),
+                         dict(segs=4, block_d=32, num_warps=1), dict(segs=16, num_warps=8)]
         else:
-            variants += [dict(block_d=32, block_s=128, num_warps=4), dict(block_d=64, block_s=128, num_warps=8),
-                         dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=32, num_warps=4),
-                         dict(block_d=32, block_s=64, num_warps=2)]
+            variants += [dict(block_d=32, block_s=128, num_warps=4), dict(block_d=64, block_s=32, num_warps=4),
+                         dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=16, num_warps=4),
+                         dict(segs=4, block_d=32, block_s=32, num_warps=4), dict(block_d=256, block_s=8, num_warps=8),
+                         dict(block_d=64, block_s=64, num_warps=8)]
         for kw in variants:
             def run(c=c, z=z, state=state, slots=slots, ratio=ratio, overlap=overlap, kw=kw):
                 return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, overlap, **kw)
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scan-sweep", action="store_true", help="indexer scores / top-k variants (scan kernel)")
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -332,13 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, LAYER_INDEX[k], DEV) for k in ("csa", "hca")}
     with torch.no_grad():
-        fns = ([] if a.no_accuracy else [lambda: accuracy(cfg, tpb, blocks, 131072, 4)])
+        fns = ([] if a.no_accuracy or a.prefill_only else [lambda: accuracy(cfg, tpb, blocks, 131072, 4)])
         for fn in fns + ([] if a.no_prefill else [prefill_compress]):
             try:
                 fn()
             except Exception as e:
                 print(f"# failed: {type(e).__name__}: {e}", flush=True)
-        for c in (int(x) for x in a.contexts.split(",")):
+        for c in ([] if a.prefill_only else (int(x) for x in a.contexts.split(","))):
             for bsz in (int(x) for x in a.batches.split(",")):
                 sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus, a.scan_sweep)
     if a.json:

@@ -1,18 +1,22 @@
 """Triton twin of `reference.compress.compress_update`: the chunked compressor state update.
 
-One program per (segment, channel block); a segment is one (request, entry) pair touched by
-this step, as in the reference. It reduces the entry's slots with the online softmax, a tile of
-BLOCK_S slots at a time (a tile's max, then one merge into the running (M, S, A)), starting
-from the stored pending state for the request's first segments:
+A segment is one (request, entry) pair touched by this step, as in the reference; a program
+takes a channel block of a few segments. It reduces each entry's slots with the online softmax,
+a tile of BLOCK_S slots at a time (a tile's max, then one merge into the running (M, S, A)),
+starting from the stored pending state for the request's first segments:
 
     HCA entry w:  tokens w*m' .. w*m'+m'-1                 (all channels)
     CSA entry w:  [:D] of window w-1 tokens, then [D:] of window w tokens    (2m slots)
 
-Finished entries go to `entries`; pending ones to a fresh buffer that replaces the state rows
-afterwards (segments of one request read and write overlapping state rows, so writing in place
-would race). The host sends only per-request ints (7 per request, one pinned asynchronous copy:
-no sync, no device read); each program finds its request and entry from them, and the programs
-of finished entries also write entry_request / entry_index. No per-entry host work.
+Finished entries go to `entries`; the entries still open at the end of the step (the last
+npend segments of a request) are written back into the state in place. Only a request's first
+npend segments read the state and only its last npend write it, so one "boundary" program per
+request (and channel block) takes both groups: it reads every stored row before it writes
+any, and no other program touches the request's state (writing from separate programs would
+race). The others take runs of the segments in between. The host sends only per-request ints
+(7 per request, one pinned asynchronous copy: no sync, no device read); each program finds its
+request and entry from them, and the programs of finished entries also write entry_request /
+entry_index. No per-entry host work, one launch.
 """
 
 from __future__ import annotations
@@ -23,26 +27,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
-                     stride_ct, stride_sr, stride_sk, stride_sp, D, B, nseg,
+def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
+                     stride_ct, stride_sr, stride_sk, stride_sp, D, B, n_mid,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
-                     SEGS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Program (channel block, SEGS consecutive segments). tab rows [8, B]: seg_base (B + 1 values),
-    first, end, fin_base, tok0, p0, p1 (see `_request_table`). Every per-segment quantity is a
-    [SEGS] vector; slot tiles are [SEGS, BLOCK_S, BLOCK_D]."""
+                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
+    NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
+    middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
+    (see `_request_table`). Per-segment quantities are [LANES] vectors; slot tiles
+    [LANES, BLOCK_S, BLOCK_D]."""
     # one grid axis, channel blocks fastest: the programs running side by side read neighbouring
     # columns of the same token rows (whole rows from DRAM), not one column of many far-apart rows
     n_cb = tl.cdiv(D, BLOCK_D)
     cb = tl.program_id(0) % n_cb
-    seg = (tl.program_id(0) // n_cb) * SEGS + tl.arange(0, SEGS)
-    live = seg < nseg
-    offs = cb * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = offs < D
+    q = tl.program_id(0) // n_cb
+    k = tl.arange(0, LANES)
+    bnd = (q + 0 * k) < B                                                    # (vector: the interpreter)
+    mid = (q - B) * LANES + k
     r = tl.arange(0, B_PAD)
-    ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)          # seg_base[b + 1]
-    b = tl.sum((ends[None, :] <= seg[:, None]).to(tl.int32), 1)              # the request of each segment
-    b = tl.minimum(b, B - 1)                                                 # (segments past the end: masked)
-    local = seg - tl.load(tab_ptr + b)
+    ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)            # mid_base[b + 1]
+    b = tl.sum((ends[None, :] <= mid[:, None]).to(tl.int32), 1)              # the request of a middle segment
+    b = tl.where(bnd, q, tl.minimum(b, B - 1))
     row = tab_ptr + (B + 1) + b
     first = tl.load(row)
     end = tl.load(row + B)
@@ -51,7 +56,15 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_
     p0 = tl.load(row + 4 * B)
     p1 = tl.load(row + 5 * B)
     slot = tl.load(req_slot_ptr + b).to(tl.int64)
+    nseg = end + NPEND - first
+    # boundary lanes k < NPEND: segments 0.. ; k >= NPEND: the last NPEND (those not already taken)
+    local_b = tl.where(k < NPEND, k, nseg - 2 * NPEND + k)
+    live_b = (k < 2 * NPEND) & (local_b < nseg) & ((k < NPEND) | (local_b >= NPEND))
+    local = tl.where(bnd, local_b, NPEND + mid - tl.load(tab_ptr + b))
+    live = tl.where(bnd, live_b, mid < n_mid)
     w = first + local
+    offs = cb * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs < D
 
     sd = live[:, None] & dmask[None, :]
     # segments `local` < NPEND start from the stored pending entry `local`, the others empty
@@ -69,7 +82,7 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_
         pos0 = w * RATIO
     for s0 in tl.static_range(0, NS, BLOCK_S):
         j = s0 + tl.arange(0, BLOCK_S)
-        pos = pos0[:, None] + j[None, :]                                     # [SEGS, BLOCK_S]
+        pos = pos0[:, None] + j[None, :]                                     # [LANES, BLOCK_S]
         ok = live[:, None] & (j < NS)[None, :] & (pos >= p0[:, None]) & (pos < p1[:, None])
         t = (tok0[:, None] + pos - p0[:, None]).to(tl.int64)
         if OVERLAP:
@@ -91,28 +104,31 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, pend_ptr, ereq_ptr, eidx_
     fin = live & (w < end)
     dst = (fin_base + local).to(tl.int64)
     tl.store(out_ptr + dst[:, None] * D + offs[None, :], a / s, mask=fin[:, None] & dmask[None, :])
-    once = fin & (cb + 0 * seg == 0)                                      # the first channel block writes them
+    once = fin & (cb + 0 * k == 0)                                        # the first channel block writes them
     tl.store(ereq_ptr + dst, b.to(tl.int64), mask=once)
     tl.store(eidx_ptr + dst, w.to(tl.int64), mask=once)
-    # pending k = w - end: pending[b, :, k] of the [B, 3, NPEND, D] buffer (the state's layout)
+    # pending w >= end: state row w - end, in place. Only boundary programs have such lanes, and
+    # they read the stored rows above: every lane's read is done before any lane writes.
+    tl.debug_barrier()
     pend = live & (w >= end)
-    pbase = pend_ptr + ((b * 3 * NPEND + w - end).to(tl.int64) * D)[:, None] + offs[None, :]
+    pbase = state_ptr + slot[:, None] * stride_sr + (w - end)[:, None] * stride_sp + offs[None, :]
     pm = pend[:, None] & dmask[None, :]
     tl.store(pbase, m, mask=pm)
-    tl.store(pbase + NPEND * D, s, mask=pm)
-    tl.store(pbase + 2 * NPEND * D, a, mask=pm)
+    tl.store(pbase + stride_sk, s, mask=pm)
+    tl.store(pbase + 2 * stride_sk, a, mask=pm)
 
 
 def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, npend: int
                    ) -> tuple[list[int], int, int]:
-    """Per-request ints of one step, as the kernel reads them, and (segments, finished entries).
+    """Per-request ints of one step, as the kernel reads them, and (middle segments, finished entries).
 
     Request b (new tokens at positions [p0, p0 + n)) touches entries first = p0//m .. end + npend - 1
-    (end = (p0+n)//m), one segment each, numbered from seg_base[b]; those below `end` finish and
-    are rows fin_base[b] + (w - first) of `entries`; its tokens start at row tok0[b] of c and z.
-    Rows: seg_base (B + 1 values), first, end, fin_base, tok0, p0, p1.
+    (end = (p0+n)//m), one segment each; those below `end` finish and are rows fin_base[b] +
+    (w - first) of `entries`; its tokens start at row tok0[b] of c and z. Its first and last
+    npend segments go to its boundary program; the ones between (middle segments) are numbered
+    from mid_base[b]. Rows: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1.
     """
-    seg_base, first, end, fin_base, tok0, p1 = [0], [], [], [], [], []
+    mid_base, first, end, fin_base, tok0, p1 = [0], [], [], [], [], []
     nfin = ntok = 0
     for p0, n in zip(start_positions, query_lens):
         f, e = p0 // ratio, (p0 + n) // ratio
@@ -121,51 +137,50 @@ def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...]
         fin_base.append(nfin)
         tok0.append(ntok)
         p1.append(p0 + n)
-        seg_base.append(seg_base[-1] + e + npend - f)
+        mid_base.append(mid_base[-1] + max(e - f - npend, 0))          # nseg = e + npend - f, minus 2 npend
         nfin += e - f
         ntok += n
-    return seg_base + first + end + fin_base + tok0 + list(start_positions) + p1, seg_base[-1], nfin
+    return mid_base + first + end + fin_base + tok0 + list(start_positions) + p1, mid_base[-1], nfin
 
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
                     *, segs: int | None = None, block_d: int | None = None, block_s: int | None = None,
                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `dsv4.kernels.reference.compress.compress_update` (segs: entries per program,
-    block_d: channels per program, block_s: slots per load, num_warps; tuning)."""
+    """Same contract as `dsv4.kernels.reference.compress.compress_update` (tuning: segs middle
+    entries per program, a power of two; block_d channels per program, block_s slots per load,
+    num_warps). The state is updated in place by the kernel: one launch, nothing after it."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
     bsz = len(query_lens)
-    host, nseg, e = _request_table(start_positions, query_lens, ratio, npend)
+    host, n_mid, e = _request_table(start_positions, query_lens, ratio, npend)
     cuda = dev.type == "cuda"
     tab = torch.tensor(host, dtype=torch.int32, pin_memory=cuda).to(dev, non_blocking=True)
     entries = torch.empty(e, d, dtype=torch.float32, device=dev)
     e_out = torch.empty(2, e, dtype=torch.int64, device=dev)                 # entry_request, entry_index
-    pending = torch.empty(bsz, 3, npend, d, dtype=torch.float32, device=dev)
     c, z = c.float().contiguous(), z.float().contiguous()
     assert state.is_contiguous() and state.shape[2] == npend, "the state cache is one contiguous tensor"
     ns = 2 * ratio if overlap else ratio
     cfg = _tiles(d, ns, cuda)
     segs, block_d = segs or cfg[0], block_d or cfg[1]
     block_s, warps = block_s or cfg[2], num_warps or cfg[3]
-    if nseg:
-        _compress_kernel[(triton.cdiv(nseg, segs) * triton.cdiv(d, block_d),)](
-            c, z, state, entries, pending, e_out[0], e_out[1], tab, request_slots,
-            c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, nseg,
+    assert segs & (segs - 1) == 0, "segs is a power of two"
+    lanes = max(segs, 2 * npend)                               # a boundary program takes 2 npend segments
+    if bsz:
+        _compress_kernel[((bsz + triton.cdiv(n_mid, lanes)) * triton.cdiv(d, block_d),)](
+            c, z, state, entries, e_out[0], e_out[1], tab, request_slots,
+            c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, n_mid,
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
-            SEGS=segs, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=warps)
-    state[request_slots] = pending
+            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=warps)
     return entries, e_out[0], e_out[1]
 
 
 def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int]:
-    """Default (SEGS, BLOCK_D, BLOCK_S, num_warps): CSA (2m = 8 slots) whole rows per program, HCA
-    (128 slots) 32 channels with all 128 slots in one load. H200, one 8K chunk, graph replay with
-    the L2 flushed (benchmarks/tune_decode.py): CSA main 36 µs at 4 warps (2-4 segments per
-    program, 128-512 channels, 1-8 warps: 36-38 µs), indexer 20 µs at 1 warp (31 at 4); HCA 28 µs
-    (35 with 64 channels x 32 slots per step). The CPU interpreter wants few, small tiles."""
+    """Default (segs, block_d, block_s, num_warps), tiles of 4K elements: CSA (2m = 8 slots) four
+    entries x 128 channels, HCA (128 slots) two entries x 32 channels x 64 slots per load.
+    The CPU interpreter wants few, small tiles."""
     if not cuda:
         return 1, min(triton.next_power_of_2(d), 128), min(triton.next_power_of_2(ns), 32), 4
     if ns >= 64:
-        return 1, 32, triton.next_power_of_2(ns), 4
-    return 1, triton.next_power_of_2(d), triton.next_power_of_2(ns), 1 if d <= 128 else 4
+        return 2, 32, 64, 4
+    return 4, 128, triton.next_power_of_2(ns), 4
