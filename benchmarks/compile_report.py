@@ -111,7 +111,7 @@ def main() -> int:
     qi = torch.randn(2, 64, 128)
     g = torch.randn(2, 64)
     sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // 4, b.seq_len_bound // 4, 64)
-    which = sys.argv[1:] or ["scores", "attention", "topk"]
+    which = sys.argv[1:] or ["scores", "attention", "topk", "cache"]
     if "scores" in which:
         for kw in [dict(precision="bf16x2", block_n=64, num_warps=8), dict(precision="bf16", block_n=64, num_warps=8),
                    dict(precision="bf16", block_n=128, num_warps=8), dict(precision="bf16", block_n=64, num_warps=4),
@@ -144,6 +144,28 @@ def main() -> int:
         for blk, w in [(16384, 16), (16384, 8), (8192, 16), (8192, 8), (4096, 8)]:
             report(f"topk block={blk} warps={w}", topk, "_topk_kernel",
                    lambda blk=blk, w=w: topk.topk_smaller_index(s, 512, block=blk, num_warps=w))
+    if "cache" in which:
+        from dsv4.kernels.triton import cache_ops as co
+        from dsv4.kernels.triton import compress as cmp
+        rows, er, ei = torch.randn(8, 128), torch.zeros(8, dtype=torch.int64), torch.arange(8)
+        report("write_entries mxfp4 (Hadamard)", co, "_write_entries_kernel",
+               lambda: co.write_entries(pool.indexer, ifmt, rows, er, ei, b.block_table, 64))
+        report("write_entries fp8_ds", co, "_write_entries_kernel",
+               lambda: co.write_entries(pool.kv, sch.kv_format, torch.randn(8, 512), er, ei, b.block_table, 64))
+        for name, d, ratio, ov, kws in [("csa main", 512, 4, True, [{}, dict(segs=8, block_d=64, num_warps=4)]),
+                                        ("csa indexer", 128, 4, True, [{}, dict(segs=4, block_d=32, num_warps=1)]),
+                                        ("hca", 512, 128, False, [{}, dict(block_d=32, block_s=128, num_warps=4)])]:
+            dc = 2 * d if ov else d
+            state = torch.zeros(2, 3, 2 if ov else 1, d)
+            for kw in kws:
+                kw = dict(kw)
+                kw.setdefault("segs", 4 if ov else 2)
+                kw.setdefault("block_d", 128 if ov else 32)
+                kw.setdefault("block_s", 8 if ov else 64)
+                report(f"compress {name} {kw}", cmp, "_compress_kernel",
+                       lambda kw=kw, d=d, dc=dc, ratio=ratio, ov=ov, state=state: cmp.compress_update(
+                           torch.randn(1024, dc), torch.randn(1024, dc), state, torch.tensor([1]), (0,), (1024,),
+                           ratio, ov, **kw))
     return 0
 
 

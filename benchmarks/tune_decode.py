@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 from dsv4.bench import setup as bench_setup
 from dsv4.bench.common import LAYER_INDEX, bench_config
@@ -232,6 +233,15 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
     torch.cuda.empty_cache()
 
 
+@triton.jit
+def _stream_kernel(c_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """The read floor of a compressor's inputs: c and z in contiguous 32 KB tiles, one sum out."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(c_ptr + offs, mask=m, other=0.0) + tl.load(z_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(x, 0))
+
+
 def prefill_compress(chunk: int = 8192) -> None:
     """compress_update of one prefill chunk (a request's first): device time (graph replay) and the
     time from a synced start to its end (host work included, as `dsv4 bench` times it)."""
@@ -260,6 +270,10 @@ def prefill_compress(chunk: int = 8192) -> None:
                          dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=16, num_warps=4),
                          dict(segs=4, block_d=32, block_s=32, num_warps=4), dict(block_d=256, block_s=8, num_warps=8),
                          dict(block_d=64, block_s=64, num_warps=8)]
+        sums = torch.empty(triton.cdiv(c.numel(), 4096), device=dev)
+        prefill_one(name + " read floor (stream c, z)", chunk,
+                    lambda c=c, z=z, sums=sums: _stream_kernel[(sums.numel(),)](c, z, sums, c.numel(), BLOCK=4096),
+                    2 * chunk * dc * 4)
         for kw in variants:
             def run(c=c, z=z, state=state, slots=slots, ratio=ratio, overlap=overlap, kw=kw):
                 return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, overlap, **kw)

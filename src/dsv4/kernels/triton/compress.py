@@ -30,12 +30,13 @@ import triton.language as tl
 def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
                      stride_ct, stride_sr, stride_sk, stride_sp, D, B, n_mid,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
-                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr):
     """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
     NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
     middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
     (see `_request_table`). Per-segment quantities are [LANES] vectors; slot tiles
-    [LANES, BLOCK_S, BLOCK_D]."""
+    [LANES, BLOCK_S, BLOCK_D]. WIDE: element offsets into c / z need 64 bits (else 32-bit offsets:
+    half the registers of the tile's addresses)."""
     # one grid axis, channel blocks fastest: the programs running side by side read neighbouring
     # columns of the same token rows (whole rows from DRAM), not one column of many far-apart rows
     n_cb = tl.cdiv(D, BLOCK_D)
@@ -84,7 +85,9 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_p
         j = s0 + tl.arange(0, BLOCK_S)
         pos = pos0[:, None] + j[None, :]                                     # [LANES, BLOCK_S]
         ok = live[:, None] & (j < NS)[None, :] & (pos >= p0[:, None]) & (pos < p1[:, None])
-        t = (tok0[:, None] + pos - p0[:, None]).to(tl.int64)
+        t = tok0[:, None] + pos - p0[:, None]
+        if WIDE:
+            t = t.to(tl.int64)
         if OVERLAP:
             col = offs[None, None, :] + D * (j[None, :, None] >= RATIO).to(tl.int32)
         else:
@@ -171,7 +174,7 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
             c, z, state, entries, e_out[0], e_out[1], tab, request_slots,
             c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, n_mid,
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
-            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=warps)
+            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s, WIDE=c.numel() >= 2**31, num_warps=warps)
     return entries, e_out[0], e_out[1]
 
 

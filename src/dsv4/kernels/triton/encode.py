@@ -204,15 +204,20 @@ def _encode_nvfp4(x, d_row, s_row, g_row, ok, D: tl.constexpr):
 
 
 @triton.jit
+def _butterfly(x, N: tl.constexpr, H: tl.constexpr):
+    """One stage of `_fwht`: pairs (a, b) = (x[i], x[i + H]), bit H of i clear -> (a + b, a - b)."""
+    pairs = tl.permute(tl.reshape(x, (N // (2 * H), 2, H)), (0, 2, 1))        # [.., H, 2]: (a, b) last
+    a, b = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+
+
+@triton.jit
 def _fwht(x, N: tl.constexpr, LOG_N: tl.constexpr, SCALE: tl.constexpr):
     """x [N] fp32 -> x @ H_N: the butterfly of `reference.quant.fwht`, the same fp32 adds in the
-    same order (stage h pairs x[i], x[i + h] -> (a + b, a - b)), then one multiply by SCALE =
-    fp32(1/sqrt(N)): bit for bit the reference's result."""
+    same order (stages H = 1, 2, 4, ..), then one multiply by SCALE = fp32(1/sqrt(N)): bit for
+    bit the reference's result."""
     for s in tl.static_range(LOG_N):
-        h: tl.constexpr = 1 << s
-        pairs = tl.permute(tl.reshape(x, (N // (2 * h), 2, h)), (0, 2, 1))    # [.., h, 2]: (a, b) last
-        a, b = tl.split(pairs)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+        x = _butterfly(x, N, 1 << s)
     return x * SCALE
 
 
