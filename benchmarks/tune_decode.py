@@ -259,21 +259,17 @@ def prefill_compress(chunk: int = 8192) -> None:
         # (segs, block_d, block_s, num_warps); {} = the defaults
         variants: list[dict[str, int]] = [{}]
         if name == "csa main":
-            variants += [dict(programs_per_sm=1), dict(programs_per_sm=2),
-                         dict(segs=4, block_d=64, num_warps=4, programs_per_sm=4),
-                         dict(segs=4, block_d=64, num_warps=4, programs_per_sm=2),
-                         dict(segs=8, block_d=64, num_warps=8, programs_per_sm=2),
-                         dict(segs=4, block_d=128, num_warps=4, programs_per_sm=2)]
+            variants += [dict(segs=4, block_d=256, num_warps=8), dict(segs=4, block_d=64, num_warps=2),
+                         dict(segs=8, block_d=128, num_warps=8), dict(segs=4, block_d=512, num_warps=8),
+                         dict(segs=4, block_d=128, num_warps=2), dict(segs=8, block_d=64, num_warps=4)]
         elif name == "csa indexer":
-            variants += [dict(block_d=32, num_warps=2, programs_per_sm=4),
-                         dict(block_d=32, num_warps=2, programs_per_sm=8),
-                         dict(block_d=64, num_warps=4, programs_per_sm=4), dict(programs_per_sm=2),
-                         dict(programs_per_sm=1)]
+            variants += [dict(segs=4, num_warps=2), dict(segs=8, num_warps=4), dict(segs=4, block_d=64, num_warps=2),
+                         dict(segs=4, block_d=32, num_warps=1), dict(segs=16, num_warps=8)]
         else:
-            variants += [dict(block_d=16, num_warps=8, programs_per_sm=2), dict(block_d=32, block_s=64, num_warps=8,
-                                                                                programs_per_sm=2),
-                         dict(programs_per_sm=2), dict(block_d=8, num_warps=2, programs_per_sm=8),
-                         dict(block_d=32, num_warps=8, programs_per_sm=1), dict(programs_per_sm=1)]
+            variants += [dict(block_d=32, block_s=128, num_warps=4), dict(block_d=64, block_s=32, num_warps=4),
+                         dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=16, num_warps=4),
+                         dict(segs=4, block_d=32, block_s=32, num_warps=4), dict(block_d=256, block_s=8, num_warps=8),
+                         dict(block_d=64, block_s=64, num_warps=8)]
         sums = torch.empty(triton.cdiv(c.numel(), 4096), device=dev)
         prefill_one(name + " read floor (stream c, z)", chunk,
                     lambda c=c, z=z, sums=sums: _stream_kernel[(sums.numel(),)](c, z, sums, c.numel(), BLOCK=4096),
