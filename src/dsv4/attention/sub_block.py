@@ -23,7 +23,6 @@ from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
 from dsv4.errors import DeviceError, InputError
 from dsv4.kernels.dispatch import ops_for
-from dsv4.kernels.reference.attention import attention_with_sink
 from dsv4.model.config import DSV4Config
 from dsv4.model.layer_schedule import AttentionType
 from dsv4.model.rope import RopeTable
@@ -136,20 +135,20 @@ class AttentionSubBlock(nn.Module):
                         cache: LayerCacheHandle, ops) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens -> [T, H, D] fp32.
 
-        Cache writes, gathers, compression and indexer selection use the cache's kernels (`ops`);
-        the attention itself is a masked dense pass per request in PyTorch (CSA: masked to the
-        indexer's picks, which is the same math as gathering them).
+        Cache writes, gathers, compression, the indexer selection and the attention itself
+        (`prefill_attention`: each token over its window and its selected / visible entries) use
+        the cache's kernels (`ops`).
         """
         cfg = self.cfg
-        t, nh, dh = q.shape
-        dev = q.device
         # The window before this step's writes: a chunk longer than W would overwrite rows its
         # own early queries still need. The new tokens are read back as the ring stores them.
-        win_kv, win_pos, win_valid = cache.gather_swa_kv()
+        win_kv, win_pos, _ = cache.gather_swa_kv()
         cache.write_swa(kv)
-        new_kv = cache.schema.kv_format.roundtrip(kv.float())
+        fmt = cache.schema.kv_format
+        new_kv = fmt.roundtrip(kv.float())
 
-        comp_kv = selected = None
+        selected = None
+        ratio = max_entries = 0
         if self.compressor is not None:
             st = cache.state
             comp = self.compressor
@@ -158,33 +157,14 @@ class AttentionSubBlock(nn.Module):
             if self.spec.attn is AttentionType.CSA:
                 ikeys, _, _ = comp.indexer.compress(proj["ic"], proj["iz"], batch, st.idx_state, self.rope, ops)
             cache.flush_compression(entries, ereq, eidx, ikeys)
-            comp_kv, _ = cache.gather_all_compressed_kv()
             if self.spec.attn is AttentionType.CSA:
                 selected = comp.indexer.select(q_up["iq"], proj["iw"], cache, cos, sin, ops)
-
-        o = torch.empty(t, nh, dh, dtype=torch.float32, device=dev)
-        w, ratio = cfg.sliding_window, self.spec.compress_ratio
-        t0 = 0
-        for b, n in enumerate(batch.query_lens_host):
-            pos = batch.positions[t0:t0 + n].long()
-            keys = [win_kv[b], new_kv[t0:t0 + n]]
-            kpos = torch.cat([win_pos[b].long(), pos])
-            kval = torch.cat([win_valid[b], torch.ones(n, dtype=torch.bool, device=dev)])
-            mask = kval[None, :] & (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)
-            if comp_kv is not None:
-                ne = batch.seq_lens_host[b] // ratio
-                keys.append(comp_kv[b, :ne])
-                if selected is None:   # HCA: every entry whose window closed at or before t
-                    cmask = torch.arange(ne, device=dev)[None, :] < ((pos[:, None] + 1) // ratio)
-                else:                  # CSA: the indexer's picks
-                    sel = selected[t0:t0 + n]
-                    cmask = torch.zeros(n, ne + 1, dtype=torch.bool, device=dev)
-                    cmask.scatter_(1, torch.where(sel >= 0, sel, ne), True)
-                    cmask = cmask[:, :ne]
-                mask = torch.cat([mask, cmask], dim=1)
-            o[t0:t0 + n] = attention_with_sink(q[t0:t0 + n], torch.cat(keys), mask, self.sinks, dh ** -0.5)
-            t0 += n
-        return o
+            ratio, max_entries = self.spec.compress_ratio, cache.max_entries()
+        pool = cache.paged
+        return ops.prefill_attention(q, win_kv, win_pos, new_kv, batch.positions, batch.token_request,
+                                     batch.cu_seqlens, cfg.sliding_window, pool.kv if pool is not None else None, fmt,
+                                     batch.block_table, cache.schema.entries_per_block, selected, ratio, max_entries,
+                                     self.sinks, cfg.head_dim ** -0.5)
 
     def _ops(self, cache: LayerCacheHandle):
         return cache.ops if self.backend is None else ops_for(cache.state.device, self.backend)

@@ -93,6 +93,38 @@ def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, N
 
 
 @triton.jit
+def attend_entries(q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_row, idx_row, n_c, n_idx,
+                   first, step, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
+                   FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, MODE: tl.constexpr,
+                   PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles first, first + step, ... of one query's compressed entries, through its block-table
+    row: MODE 1 the selected entries idx_row[0 : n_idx] (-1 = masked), MODE 2 entries 0 .. n_c - 1."""
+    for tile in range(first, tl.cdiv(n_c, BLOCK_N), step):
+        c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MODE == 1:
+            w = tl.load(idx_row + c, mask=c < n_idx, other=-1).to(tl.int32)
+            valid = w >= 0
+        else:
+            w = c
+            valid = c < n_c
+        page, row = locate(bt_row, w, valid, epb, max_blocks)
+        k = _load_kv(ckv_ptr, crope_ptr, csc_ptr, page, row, valid,
+                     s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
+        m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def with_sink(acc, m_i, l_i, sinks_ptr, h, hmask):
+    """The finished output acc / (exp(sink) + sum exp(l)) (log2-domain m, l; the sink unscaled)."""
+    sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_f)
+    inv = alpha / (l_i * alpha + tl.exp2(sink - m_f))
+    return acc * inv[:, None]
+
+
+@triton.jit
 def _decode_attn_kernel(
         q_ptr, sinks_ptr, out_ptr, pml_ptr,
         wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
@@ -136,25 +168,15 @@ def _decode_attn_kernel(
             n_c = tl.minimum(tl.load(nent_ptr + b), n_comp)         # ragged: stop at this request's end
         else:
             n_c = n_comp
-        for tile in range((split + n_split - n_wt % n_split) % n_split, tl.cdiv(n_c, BLOCK_N), n_split):
-            c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            if MODE == 1:
-                w = tl.load(idx_ptr + b * s_idx + c, mask=c < n_comp, other=-1).to(tl.int32)
-                valid = w >= 0
-            else:
-                w = c
-                valid = c < n_c
-            page, row = locate(bt_ptr + b * s_bt, w, valid, epb, max_blocks)
-            k = _load_kv(ckv_ptr, crope_ptr, csc_ptr, page, row, valid,
-                         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
-            m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+        m_i, l_i, acc = attend_entries(
+            q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_ptr + b * s_bt, idx_ptr + b * s_idx,
+            n_c, n_comp, (split + n_split - n_wt % n_split) % n_split, n_split,
+            s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
+            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N)
 
-    if FUSED:   # p = exp(l) / (exp(sink) + sum exp(l)), the sink unscaled
-        sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_f)
-        inv = alpha / (l_i * alpha + tl.exp2(sink - m_f))
-        tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, acc * inv[:, None], mask=hmask[:, None] & (d < D))
+    if FUSED:
+        out = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
+        tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, out, mask=hmask[:, None] & (d < D))
     else:
         tl.store(out_ptr + b * s_ob + split * s_os + h[:, None] * s_oh + d, acc, mask=hmask[:, None])
         ml = pml_ptr + ((b * n_split + split) * H + h) * 2

@@ -1,0 +1,161 @@
+"""Triton twin of `reference.attention.prefill_attention`: sink attention of every new token of a
+prefill (or mixed) batch over its window and its compressed entries.
+
+    grid (T, head blocks): program (i, hb) is token i's BLOCK_H heads; one online softmax over
+        window     positions t - W + 1 .. t in key tiles: position p < p0 (the request's first
+                   new position) is ring row W - p0 + p of the old ring (gathered in position
+                   order before this step's writes, its stored position checked), p >= p0 is
+                   new row i - t + p of this step (the same request, packed before token i)
+        entries    CSA: the token's selected entries; HCA: the first (t + 1) // ratio; read from
+                   the paged pool through the request's block-table row and dequantised in
+                   registers (decode_attention's loads and online-softmax step, one split)
+    then the sink, once, in the epilogue.
+
+A token's keys are at most W + K (CSA) or W + t / ratio (HCA), so the work is linear in the
+chunk: the reference's masked dense pass over every key of the request is quadratic. Window rows
+of fp8_ds / bf16 caches are bf16-exact, so they are read as bf16 (half the bytes); fp32 caches
+keep fp32 rows. Tiles and precision follow decode_attention's fused kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.cache.formats import EntryFormat
+from dsv4.errors import FormatError, InputError
+from dsv4.kernels.triton.decode_attention import (
+    _MAIN_FMT,
+    NUM_STAGES,
+    _attend,
+    _attention_tiles,
+    attend_entries,
+    with_sink,
+)
+from dsv4.kernels.triton.decode_common import LOG2E, Views, note_compile, precision_id, rows, split_operand
+
+
+@triton.jit
+def _window_tile(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_ob, s_or, s_opb, s_nt,
+                 D: tl.constexpr, NCH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Window rows r0 .. r0 + BLOCK_N of token i (position t - W + 1 + r) -> (keys [BLOCK_N, NCH*64]
+    in the rows' dtype, valid [BLOCK_N])."""
+    r = r0 + tl.arange(0, BLOCK_N)
+    p = t - window + 1 + r
+    inside = (r < window) & (p >= 0)
+    new = inside & (p >= p0)
+    orow = ring - p0 + p
+    maybe_old = inside & (p < p0) & (orow >= 0)
+    opos = tl.load(oldpos_ptr + b * s_opb + orow, mask=maybe_old, other=-1)
+    old = maybe_old & (opos == p)
+    d = tl.arange(0, NCH * 64)[None, :]
+    kn = tl.load(new_ptr + (i - t + p).to(tl.int64)[:, None] * s_nt + d, mask=new[:, None] & (d < D), other=0.0)
+    ko = tl.load(old_ptr + b * s_ob + orow.to(tl.int64)[:, None] * s_or + d, mask=old[:, None] & (d < D), other=0.0)
+    return tl.where(new[:, None], kn, ko), new | old
+
+
+@triton.jit
+def _prefill_attn_kernel(
+        q_ptr, sinks_ptr, out_ptr, old_ptr, oldpos_ptr, new_ptr, pos_ptr, treq_ptr, cu_ptr,
+        ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr,
+        s_qt, s_qh, s_ot, s_oh, s_ob, s_or, s_opb, s_nt,
+        s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
+        window, ring, epb, max_blocks, n_idx, ratio, qk_scale,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MODE 0 SWA, 1 CSA (indices [T, K]), 2 HCA (the first (t + 1) // ratio entries). out [T, H, D]."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    b = tl.load(treq_ptr + i).to(tl.int64)
+    t = tl.load(pos_ptr + i).to(tl.int64)
+    p0 = t - (i - tl.load(cu_ptr + b).to(tl.int64))            # the request's first new position
+    d = tl.arange(0, NCH * 64)[None, :]
+    q = tl.load(q_ptr + i * s_qt + h[:, None] * s_qh + d, mask=hmask[:, None] & (d < D), other=0.0)
+    q_hi, q_lo = split_operand(q, PREC)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, NCH * 64], tl.float32)
+
+    for tile in range(0, tl.cdiv(window, BLOCK_N)):
+        k, valid = _window_tile(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring,
+                                s_ob, s_or, s_opb, s_nt, D, NCH, BLOCK_N)
+        m_i, l_i, acc = _attend(q_hi, q_lo, k.to(q_hi.dtype), valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+
+    if MODE != 0:
+        if MODE == 2:
+            n_c = (t + 1) // ratio
+        else:
+            n_c = n_idx
+        m_i, l_i, acc = attend_entries(
+            q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_ptr + b * s_bt, idx_ptr + i * s_idx,
+            n_c, n_idx, 0, 1, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
+            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N)
+
+    out = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
+    tl.store(out_ptr + i * s_ot + h[:, None] * s_oh + d, out, mask=hmask[:, None] & (d < D))
+
+
+def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tensor, new_kv: torch.Tensor,
+                      positions: torch.Tensor, token_request: torch.Tensor, cu_seqlens: torch.Tensor, window: int,
+                      kv_views: Views | None, kv_fmt: EntryFormat, block_table: torch.Tensor | None,
+                      epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
+                      scale: float, *, precision: str | None = None, block_h: int | None = None,
+                      block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Attention of every new token of a batch over its window and entries (see the reference).
+
+    Args: as `reference.attention.prefill_attention` (max_entries is not needed here: every bound
+    is device-side), plus the tuning knobs of decode_attention's fused kernel.
+    Returns:
+        [T, H, D] fp32.
+    """
+    if kv_fmt.name not in _MAIN_FMT:
+        raise FormatError(f"prefill_attention reads main-entry formats {tuple(_MAIN_FMT)}, got {kv_fmt.name!r}")
+    if kv_fmt.name == "fp8_ds" and kv_fmt.rope_dim > 64:
+        raise FormatError(f"prefill_attention reads fp8_ds entries with rope_dim <= 64, got {kv_fmt.rope_dim}")
+    t_all, heads, dim = q.shape
+    mode = 0 if not ratio else (1 if indices is not None else 2)
+    if mode and (kv_views is None or block_table is None):
+        raise InputError("compressed keys (ratio > 0) need kv_views and block_table")
+    if dim != kv_fmt.dim or sinks.shape != (heads,) or new_kv.shape != (t_all, dim) or old_kv.shape[-1] != dim:
+        raise InputError(f"q [T, H, {kv_fmt.dim}], new_kv [T, D], old_kv [B, W, D], sinks [H] expected; got "
+                         f"{list(q.shape)}, {list(new_kv.shape)}, {list(old_kv.shape)}, {list(sinks.shape)}")
+    out = torch.empty(t_all, heads, dim, dtype=torch.float32, device=q.device)
+    if t_all == 0:
+        return out
+    cuda = q.device.type == "cuda"
+    prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
+    nch = triton.next_power_of_2(triton.cdiv(dim, 64))
+    row_dtype = torch.float32 if kv_fmt.name == "fp32" else torch.bfloat16    # exact for fp8_ds / bf16 rows
+    old_kv, new_kv = old_kv.to(row_dtype).contiguous(), new_kv.to(row_dtype).contiguous()
+    old_pos = old_pos.contiguous()
+    q = q.float().contiguous()
+    if mode:
+        ct = kv_fmt.typed(kv_views)
+        ckv = ct["nope"] if kv_fmt.name == "fp8_ds" else ct["kv"]
+        crope, csc = (ct["rope"], ct["scale"]) if kv_fmt.name == "fp8_ds" else (ckv, ckv)
+        bt = block_table
+    else:                      # no entries: placeholders the kernel never reads
+        ckv = crope = csc = old_kv
+        bt = positions
+    idx = indices if indices is not None else positions
+    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
+    bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
+    k = _prefill_attn_kernel[(t_all, triton.cdiv(heads, bh))](
+        q, sinks, out, old_kv, old_pos, new_kv, positions, token_request, cu_seqlens,
+        ckv, crope, csc, bt, idx,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), old_kv.stride(0), old_kv.stride(1),
+        old_pos.stride(0), new_kv.stride(0),
+        *(rows(ckv) if mode else (0, 0)), *(rows(crope) if mode else (0, 0)), *(rows(csc) if mode else (0, 0)),
+        bt.stride(0), idx.stride(0),
+        window, old_pos.shape[1], epb, bt.shape[-1] if bt.dim() == 2 else 1,
+        indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E,
+        H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
+        FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn,
+        num_warps=warps, **({"num_stages": NUM_STAGES} if cuda else {}))
+    note_compile("prefill_attention", k)
+    return out
+
+
+__all__ = ["prefill_attention"]

@@ -1,0 +1,118 @@
+"""Triton prefill attention (`kernels/triton/prefill_attention.py`) against its PyTorch twin
+(`reference.attention.prefill_attention`, the masked dense pass of the general path).
+
+Each case is a real cache: every request first caches `before` tokens (window ring written), then
+a step of `new` tokens is planned; its ring is gathered before the step's writes, the step's rows
+are random and round-tripped through the format, and every entry the request has after the step
+is flushed with random rows. Page buffers and rings start as random bytes (NaN / inf patterns
+included). Queries, sinks and CSA selections are fresh random draws; selections hold holes (-1).
+
+tiny_config (W 16, m 4, m' 16, D 128), tokens_per_block 32; real_dims_config (W 128, m 4, m' 128,
+D 512 = 448 + 64). The (before, new) pairs put queries at 0, at 15/16/17 (127/128/129, 255/256/257
+at real dims), chunks longer than the window, one-token steps, and a request whose new rows
+start mid-ring. Tolerances as the decode attention's (tests/test_triton_decode.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import real_dims_config, tiny_config
+from test_triton_decode import TOL, close
+
+from dsv4 import KVCacheManager
+from dsv4.kernels.reference.attention import prefill_attention as ref_prefill_attention
+from dsv4.kernels.triton.prefill_attention import prefill_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SWA, CSA, HCA = 0, 1, 2
+TINY_STEPS = ((0, 20), (3, 5), (15, 3), (16, 17), (30, 40), (100, 1))
+REAL_STEPS = ((0, 130), (127, 3), (250, 8))
+
+
+def selections(positions: torch.Tensor, ratio: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, k] distinct random entries visible at each position ((t + 1) // ratio of them), -1 holes."""
+    out = torch.full((positions.shape[0], k), -1, dtype=torch.long)
+    for j, t in enumerate(positions.tolist()):
+        n = (t + 1) // ratio
+        take = min(n, k) - (1 if n >= 2 else 0)            # leave a hole where possible
+        out[j, torch.randperm(k, generator=gen)[:take]] = torch.randperm(n, generator=gen)[:take]
+    return out
+
+
+def prefill_args(kind: str, kv_format: str, layer: int, heads: int, steps: tuple[tuple[int, int], ...], *,
+                 topk: int = 6, window: int | None = None):
+    """Arguments of prefill_attention for one step of steps[b][1] new tokens after steps[b][0] cached."""
+    cfg, tpb = (tiny_config(), 32) if kind == "tiny" else (real_dims_config(), 256)
+    total = sum(a + n for a, n in steps)
+    mgr = KVCacheManager(cfg, max_requests=len(steps), num_blocks=sum(-(-(a + n) // tpb) + 1 for a, n in steps) + 2,
+                         device=DEVICE, kv_format=kv_format, indexer_format="bf16", tokens_per_block=tpb,
+                         max_batch_tokens=total)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, kv_format, layer, heads, steps)).encode()))
+    rids = [f"r{i}" for i in range(len(steps))]
+    for rid in rids:
+        mgr.add_request(rid)
+    for buf in [p.kv_pages for p in mgr.paged.values()] + [s.swa_pages for s in mgr.states.values()]:
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
+    sch, pool = mgr.schemas[layer], mgr.paged.get(layer)
+    cached = {r: a for r, (a, _) in zip(rids, steps) if a}
+    if cached:
+        b1 = mgr.prepare_forward(cached)
+        mgr.acquire(layer, b1).write_swa(torch.randn(b1.num_tokens, cfg.head_dim, generator=gen).to(DEVICE) * 2)
+    batch = mgr.prepare_forward({r: n for r, (_, n) in zip(rids, steps)})
+    h = mgr.acquire(layer, batch)
+    old_kv, old_pos, _ = h.gather_swa_kv()
+    kv = torch.randn(batch.num_tokens, cfg.head_dim, generator=gen).to(DEVICE) * 2
+    h.write_swa(kv)
+    new_kv = sch.kv_format.roundtrip(kv)
+    ratio = sch.compress_ratio
+    indices = None
+    if ratio:
+        req = [b for b, (a, n) in enumerate(steps) for _ in range((a + n) // ratio)]
+        idx = [w for a, n in steps for w in range((a + n) // ratio)]
+        rows = torch.randn(len(idx), cfg.head_dim, generator=gen).to(DEVICE) * 2
+        keys = (torch.randn(len(idx), cfg.indexer_head_dim, generator=gen).to(DEVICE)
+                if sch.indexer_format is not None else None)
+        h.flush_compression(rows, torch.tensor(req, device=DEVICE), torch.tensor(idx, device=DEVICE), keys)
+        if sch.indexer_format is not None:
+            indices = selections(batch.positions.cpu(), ratio, topk, gen).to(DEVICE)
+    q = torch.randn(batch.num_tokens, heads, cfg.head_dim, generator=gen).to(DEVICE)
+    sinks = torch.randn(heads, generator=gen).to(DEVICE)
+    return (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
+            window or cfg.sliding_window, pool.kv if pool is not None else None, sch.kv_format, batch.block_table,
+            sch.entries_per_block, indices, ratio, h.max_entries() if ratio else 0, sinks, cfg.head_dim ** -0.5)
+
+
+def tol(kv_format: str) -> float:
+    return TOL["ieee" if kv_format == "fp32" else "bf16"]
+
+
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+@pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
+def test_prefill_attention_tiny(kv_format, layer):
+    args = prefill_args("tiny", kv_format, layer, 4, TINY_STEPS)
+    close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
+
+
+def test_prefill_attention_short_window_and_head_blocks():
+    """A window shorter than the ring (rows at p <= t - window masked), 32 heads in blocks of 16."""
+    args = prefill_args("tiny", "fp8_ds", HCA, 32, TINY_STEPS, window=9)
+    close(prefill_attention(*args, block_h=16), ref_prefill_attention(*args), tol("fp8_ds"))
+
+
+@pytest.mark.parametrize("layer,kv_format", [(CSA, "fp8_ds"), (HCA, "fp8_ds")], ids=["csa", "hca"])
+def test_prefill_attention_real_dims(layer, kv_format):
+    """D 512 (448 e4m3 + 64 bf16), W 128, m' 128: queries at 127/128/129 and 255/256/257."""
+    args = prefill_args("real", kv_format, layer, 8, REAL_STEPS, topk=16)
+    close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+@pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
+def test_prefill_attention_v4_flash_shapes(kv_format, layer):
+    """64 heads, D 512, K 512: a long first chunk, a chunk after 4K cached, a short one after 20K."""
+    args = prefill_args("real", kv_format, layer, 64, ((0, 1000), (4000, 700), (20000, 129)), topk=512)
+    close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
