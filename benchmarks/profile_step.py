@@ -54,12 +54,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--prefill-layer", action="store_true", help="also profile the whole layer on the chunk")
     args = ap.parse_args()
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
     ops = ops_for(DEV, "triton")
     with torch.no_grad():
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in (int(b) for b in args.batches.split(",") if b):
             st = bench_setup.build_decode_state(cfg, context=args.context, batch=batch, device=DEV,
                                                 tokens_per_block=tpb, kv_format="fp8_ds", indexer_format="mxfp4",
                                                 seed=0)
@@ -93,6 +94,12 @@ def main() -> None:
                     ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
 
             kernel_table(f"prefill {kind} compress_update + write_entries, chunk {n} (from position 0)", chunk)
+            if args.prefill_layer:    # the whole sub-block on the chunk (repeated: same shapes, same work)
+                blk = blocks[kind]
+                blk.backend = "triton"
+                h = bench_setup.acquire(mgr, li, b, "triton")
+                kernel_table(f"prefill {kind} layer, chunk {n} (from position 0)", lambda blk=blk, x=x, b=b, h=h:
+                             blk(x, b, h), steps=2)
 
 
 if __name__ == "__main__":

@@ -281,6 +281,49 @@ def prefill_compress(chunk: int = 8192) -> None:
             prefill_one(name + " " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"), chunk, run, nbytes)
 
 
+def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
+    """prefill_attention of one chunk after `cached` tokens (the last 8K chunk of a 32K prompt), fp8_ds,
+    V4-Flash heads: CSA over a random top-512 selection of the visible entries per token, HCA over
+    every visible entry; each variant checked against the default's output."""
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.kernels.triton.prefill_attention import prefill_attention
+    total = cached + chunk
+    mgr = KVCacheManager(cfg, max_requests=1, num_blocks=total // tpb + 4, device=DEV, kv_format="fp8_ds",
+                         indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=cached)
+    mgr.add_request("r")
+    b1 = mgr.prepare_forward({"r": cached})
+    for li in LAYER_INDEX.values():
+        mgr.acquire(li, b1).write_swa(torch.randn(cached, cfg.head_dim, device=DEV))
+    batch = mgr.prepare_forward({"r": chunk})
+    q = torch.randn(chunk, cfg.num_attention_heads, cfg.head_dim, device=DEV)
+    sinks = torch.randn(cfg.num_attention_heads, device=DEV)
+    for kind, li in LAYER_INDEX.items():
+        h, sch = mgr.acquire(li, batch), mgr.schemas[li]
+        old_kv, old_pos, _ = h.gather_swa_kv()
+        ratio = sch.compress_ratio
+        n = total // ratio
+        keys = torch.randn(n, cfg.indexer_head_dim, device=DEV) if sch.indexer_format is not None else None
+        h.flush_compression(torch.randn(n, cfg.head_dim, device=DEV), torch.zeros(n, dtype=torch.long, device=DEV),
+                            torch.arange(n, device=DEV), keys)
+        indices = None
+        if kind == "csa":
+            vis = (batch.positions.long() + 1) // ratio                                   # [T]
+            r = torch.rand(chunk, n, device=DEV).masked_fill(torch.arange(n, device=DEV)[None, :] >= vis[:, None], 2)
+            indices = r.topk(cfg.index_topk, dim=1, largest=False).indices                # distinct visible picks
+        new_kv = sch.kv_format.roundtrip(torch.randn(chunk, cfg.head_dim, device=DEV))
+        args = (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
+                cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
+                indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
+        want = prefill_attention(*args)
+        for kw in ({}, dict(block_h=16, block_n=16, num_warps=4), dict(block_h=16, block_n=32, num_warps=8),
+                   dict(block_h=32, block_n=16, num_warps=8), dict(block_h=32, block_n=32, num_warps=8),
+                   dict(block_h=64, block_n=16, num_warps=8), dict(block_h=16, block_n=64, num_warps=8)):
+            attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
+                    lambda kw=kw, args=args: prefill_attention(*args, **kw),
+                    lambda out, want=want: None if rel(out, want) < 1e-2 else f"rel {rel(out, want):.2e}",
+                    "prefill_attention")
+
+
 def prefill_one(name: str, chunk: int, run: Callable[[], Any], nbytes: int) -> None:
     us = graph_us(run)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -340,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-accuracy", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
+    p.add_argument("--prefill-attention", action="store_true", help="only the prefill attention variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -348,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, LAYER_INDEX[k], DEV) for k in ("csa", "hca")}
     with torch.no_grad():
+        if a.prefill_attention:
+            prefill_attention_variants(cfg, tpb)
+            a.prefill_only = a.no_prefill = True
         fns = ([] if a.no_accuracy or a.prefill_only else [lambda: accuracy(cfg, tpb, blocks, 131072, 4)])
         for fn in fns + ([] if a.no_prefill else [prefill_compress]):
             try:
