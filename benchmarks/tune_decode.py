@@ -315,9 +315,10 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
                 cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
                 indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
         want = prefill_attention(*args)
-        for kw in ({}, dict(block_h=16, block_n=16, num_warps=4), dict(block_h=16, block_n=32, num_warps=8),
-                   dict(block_h=32, block_n=16, num_warps=8), dict(block_h=32, block_n=32, num_warps=8),
-                   dict(block_h=64, block_n=16, num_warps=8), dict(block_h=16, block_n=64, num_warps=8)):
+        for kw in ({}, dict(block_h=16, block_n=32, num_warps=8),
+                   dict(block_h=16, block_n=64, num_warps=8, num_stages=2),
+                   dict(block_h=16, block_n=128, num_warps=8), dict(block_h=16, block_n=64, num_warps=16),
+                   dict(block_h=16, block_n=128, num_warps=16), dict(block_h=32, block_n=64, num_warps=16)):
             attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
                     lambda out, want=want: None if rel(out, want) < 1e-2 else f"rel {rel(out, want):.2e}",

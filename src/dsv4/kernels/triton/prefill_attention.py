@@ -102,7 +102,8 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       kv_views: Views | None, kv_fmt: EntryFormat, block_table: torch.Tensor | None,
                       epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
                       scale: float, *, precision: str | None = None, block_h: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
     """Attention of every new token of a batch over its window and entries (see the reference).
 
     Args: as `reference.attention.prefill_attention` (max_entries is not needed here: every bound
@@ -140,7 +141,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         ckv = crope = csc = old_kv
         bt = positions
     idx = indices if indices is not None else positions
-    bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
+    bh, bn, warps = _prefill_tiles(heads, nch, prec, cuda)
     bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
     k = _prefill_attn_kernel[(t_all, triton.cdiv(heads, bh))](
         q, sinks, out, old_kv, old_pos, new_kv, positions, token_request, cu_seqlens,
@@ -153,9 +154,21 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn,
-        num_warps=warps, **({"num_stages": NUM_STAGES} if cuda else {}))
+        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
     note_compile("prefill_attention", k)
     return out
+
+
+def _prefill_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
+    """Default (BLOCK_H, BLOCK_N, num_warps): decode_attention's fused-kernel tiles, except bf16
+    operands at D 512 on CUDA take 64-key tiles (more gathered rows in flight per trip; the kernel
+    is latency-bound at one 8-warp program per SM). H200, Triton 3.6, an 8K chunk after 24K cached,
+    fp8_ds, 64 heads (`benchmarks/tune_decode.py --prefill-attention`): CSA 13.6 ms vs 19.2 at 32
+    keys and 16.4 at 16 keys x 4 warps; HCA 8.9 vs 11.1 / 9.2; 32 or 64 heads per program spill.
+    """
+    if cuda and prec == 1 and nch >= 8:
+        return 16, 64, 8
+    return _attention_tiles(heads, nch, prec, cuda)
 
 
 __all__ = ["prefill_attention"]
