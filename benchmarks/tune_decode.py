@@ -108,7 +108,7 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
                 dict(precision="bf16", block_n=128)]
-    return [{}, dict(prefetch=True), dict(two_pass=False), dict(two_pass=False, prefetch=True),
+    return [{}, dict(num_stages=3, split_keys=256), dict(split_keys=256), dict(split_keys=32),
             dict(block_n=16, num_warps=4)] + ([dict(num_splits=16, block_n=16)] if small else [])
 
 
@@ -315,8 +315,10 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
                 cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
                 indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
         want = prefill_attention(*args)
-        for kw in ({}, dict(prefetch=True), dict(block_h=16, block_n=32, num_warps=8, prefetch=True),
-                   dict(block_h=16, block_n=32, num_warps=8)):
+        for kw in ({}, dict(block_h=16, block_n=32, num_warps=8),
+                   dict(block_h=16, block_n=64, num_warps=8, num_stages=2),
+                   dict(block_h=16, block_n=128, num_warps=8), dict(block_h=16, block_n=64, num_warps=16),
+                   dict(block_h=16, block_n=128, num_warps=16), dict(block_h=32, block_n=64, num_warps=16)):
             attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
                     lambda out, want=want: None if rel(out, want) < 1e-2 else f"rel {rel(out, want):.2e}",

@@ -192,14 +192,6 @@ def test_attention_tiny(kv_format, layer, num_splits):
     close(out, ref.decode_attention(*args), TOL["ieee" if kv_format == "fp32" else "bf16"])
 
 
-@pytest.mark.parametrize("layer", [CSA, HCA], ids=["csa", "hca"])
-def test_attention_prefetch(layer):
-    """The fused kernel with the next entry tile's selections / block-table rows loaded one trip ahead."""
-    args = attention_args("tiny", "fp8_ds", layer, 4, TINY_LENS)
-    out = tri.decode_attention(*args, num_splits=3, two_pass=False, prefetch=True)
-    close(out, ref.decode_attention(*args), TOL["bf16"])
-
-
 @pytest.mark.parametrize("heads,block_h", [(16, 16), (64, 16), (64, 64)])
 def test_attention_heads(heads, block_h):
     """Several head blocks per request (each program reads the same key tiles)."""

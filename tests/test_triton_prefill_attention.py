@@ -96,13 +96,6 @@ def test_prefill_attention_tiny(kv_format, layer):
     close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
 
 
-@pytest.mark.parametrize("layer", [CSA, HCA], ids=["csa", "hca"])
-def test_prefill_attention_prefetch(layer):
-    """The next key tile's selections and block-table lookups loaded one trip ahead."""
-    args = prefill_args("tiny", "fp8_ds", layer, 4, TINY_STEPS)
-    close(prefill_attention(*args, prefetch=True), ref_prefill_attention(*args), tol("fp8_ds"))
-
-
 def test_prefill_attention_short_window_and_head_blocks():
     """A window shorter than the ring (rows at p <= t - window masked), 32 heads in blocks of 16."""
     args = prefill_args("tiny", "fp8_ds", HCA, 32, TINY_STEPS, window=9)

@@ -93,39 +93,24 @@ def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, N
 
 
 @triton.jit
-def _entry_rows(bt_row, idx_row, tile, n_c, n_idx, epb, max_blocks, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tile `tile` of a query's compressed entries -> (page, row, valid) [BLOCK_N]."""
-    c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    if MODE == 1:
-        w = tl.load(idx_row + c, mask=c < n_idx, other=-1).to(tl.int32)
-        valid = w >= 0
-    else:
-        w = c
-        valid = c < n_c
-    page, row = locate(bt_row, w, valid, epb, max_blocks)
-    return page, row, valid
-
-
-@triton.jit
 def attend_entries(q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_row, idx_row, n_c, n_idx,
                    first, step, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
                    FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, MODE: tl.constexpr,
-                   PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False):
+                   PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles first, first + step, ... of one query's compressed entries, through its block-table
-    row: MODE 1 the selected entries idx_row[0 : n_idx] (-1 = masked), MODE 2 entries 0 .. n_c - 1.
-    PREFETCH: the next tile's selections and block-table lookups are issued before this tile's math
-    (two dependent loads off each trip's critical path)."""
-    if PREFETCH:
-        page, row, valid = _entry_rows(bt_row, idx_row, first, n_c, n_idx, epb, max_blocks, MODE, BLOCK_N)
+    row: MODE 1 the selected entries idx_row[0 : n_idx] (-1 = masked), MODE 2 entries 0 .. n_c - 1."""
     for tile in range(first, tl.cdiv(n_c, BLOCK_N), step):
-        if not PREFETCH:
-            page, row, valid = _entry_rows(bt_row, idx_row, tile, n_c, n_idx, epb, max_blocks, MODE, BLOCK_N)
+        c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MODE == 1:
+            w = tl.load(idx_row + c, mask=c < n_idx, other=-1).to(tl.int32)
+            valid = w >= 0
+        else:
+            w = c
+            valid = c < n_c
+        page, row = locate(bt_row, w, valid, epb, max_blocks)
         k = _load_kv(ckv_ptr, crope_ptr, csc_ptr, page, row, valid,
                      s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
-        kvalid = valid
-        if PREFETCH:
-            page, row, valid = _entry_rows(bt_row, idx_row, tile + step, n_c, n_idx, epb, max_blocks, MODE, BLOCK_N)
-        m_i, l_i, acc = _attend(q_hi, q_lo, k, kvalid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
+        m_i, l_i, acc = _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
     return m_i, l_i, acc
 
 
@@ -150,7 +135,7 @@ def _decode_attn_kernel(
         ring, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+        FUSED: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
     else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
     b = tl.program_id(1)
@@ -187,7 +172,7 @@ def _decode_attn_kernel(
             q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_ptr + b * s_bt, idx_ptr + b * s_idx,
             n_c, n_comp, (split + n_split - n_wt % n_split) % n_split, n_split,
             s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
-            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N, PREFETCH)
+            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N)
 
     if FUSED:
         out = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
@@ -234,7 +219,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      score_block_n: int | None = None, score_warps: int | None = None,
                      score_splits: int | None = None, value_block_n: int | None = None,
                      value_block_d: int | None = None, value_warps: int | None = None,
-                     value_splits: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                     value_splits: int | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -251,7 +236,6 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         score_block_n, score_warps, score_splits: its pass 1 keys per tile, warps, key splits per
         request; value_block_n, value_block_d, value_warps, value_splits: its pass 2 keys per tile,
         value channels per program, warps, key splits (> 1: atomic adds, deterministic only at 2).
-        prefetch: the fused kernel loads the next entry tile's selections / block-table rows one trip ahead.
         block_h, num_splits, split_keys apply to the fused kernel only.
     Returns:
         [B, H, D] fp32.
@@ -327,7 +311,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
-        PREFETCH=bool(prefetch), num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
+        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
     note_compile("decode_attention", k)
     if n_split > 1:
         bhc = min(16, triton.next_power_of_2(heads))

@@ -63,8 +63,7 @@ def _prefill_attn_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         window, ring, epb, max_blocks, n_idx, ratio, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
-        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices [T, K]), 2 HCA (the first (t + 1) // ratio entries). out [T, H, D]."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -92,7 +91,7 @@ def _prefill_attn_kernel(
         m_i, l_i, acc = attend_entries(
             q_hi, q_lo, m_i, l_i, acc, ckv_ptr, crope_ptr, csc_ptr, bt_ptr + b * s_bt, idx_ptr + i * s_idx,
             n_c, n_idx, 0, 1, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, epb, max_blocks, qk_scale,
-            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N, PREFETCH)
+            FMT, D, NOPE, NCH, MODE, PREC, NATIVE, BLOCK_N)
 
     out = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
     tl.store(out_ptr + i * s_ot + h[:, None] * s_oh + d, out, mask=hmask[:, None] & (d < D))
@@ -104,7 +103,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
                       scale: float, *, precision: str | None = None, block_h: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                      num_stages: int | None = None) -> torch.Tensor:
     """Attention of every new token of a batch over its window and entries (see the reference).
 
     Args: as `reference.attention.prefill_attention` (max_entries is not needed here: every bound
@@ -155,7 +154,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn,
-        PREFETCH=bool(prefetch), num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
+        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
     note_compile("prefill_attention", k)
     return out
 
