@@ -103,7 +103,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
     """--focus: the defaults against the runners-up of the first sweep (benchmarks/NOTES.md)."""
     small = batch <= 16
     if section == "topk":
-        return [{}, dict(chunk=8192), dict(chunk=4096, num_warps=16), dict(chunk=4096, num_warps=8)]
+        return [{}, dict(digit=4), dict(digit=6), dict(digit=7), dict(digit=8), dict(digit=8, chunk=8192),
+                dict(digit=6, chunk=8192)]
     if section == "scores":
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),

@@ -61,6 +61,14 @@ def test_topk_two_stage(n, k, chunk, block):
     _check(_rows(6, n, gen).to(DEVICE), k, chunk=chunk, block=block)
 
 
+@pytest.mark.parametrize("digit", [3, 4, 6, 7, 8])
+def test_topk_digit_widths(digit):
+    """Select passes of other widths (the last digit shorter unless the width divides 32)."""
+    gen = torch.Generator().manual_seed(digit)
+    _check(_rows(6, 600, gen).to(DEVICE), 64, digit=digit)
+    _check(_rows(6, 300, gen).to(DEVICE), 16, digit=digit, chunk=64, block=32)
+
+
 def test_topk_special_values():
     s = torch.tensor([[0.0, -0.0, 0.0, -0.0, 1.0, float("-inf"), -1.0, float("nan"), 2.0, float("inf")]])
     for k in (1, 4, 10, 13):

@@ -47,20 +47,20 @@ def _keys(x):
 
 
 @triton.jit
-def _digit_hist(key, valid, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
-    """Histogram [32] of digit P (bits SHIFT .. SHIFT+WIDTH of the unsigned key) over the valid keys
+def _digit_hist(key, valid, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr, NBINS: tl.constexpr):
+    """Histogram [NBINS] of digit P (bits SHIFT .. SHIFT+WIDTH of the unsigned key) over the valid keys
     whose higher bits equal thr's. Excluded keys are counted in bin 0, then subtracted."""
     if P == 0:
         match = valid
-        dig = ((key >> SHIFT) & 31) ^ 16                      # the sign bit flipped: unsigned order
+        dig = ((key >> SHIFT) & ((1 << WIDTH) - 1)) ^ (1 << (WIDTH - 1))   # sign bit flipped: unsigned order
     else:
         hi: tl.constexpr = SHIFT + WIDTH
         match = valid & ((key >> hi) == (thr >> hi))
         dig = (key >> SHIFT) & ((1 << WIDTH) - 1)
     dig = tl.where(match, dig, 0)
-    h = tl.histogram(dig, 32)
+    h = tl.histogram(dig, NBINS)
     excluded = tl.sum((match == 0).to(tl.int32), 0)
-    return h - tl.where(tl.arange(0, 32) == 0, excluded, 0)
+    return h - tl.where(tl.arange(0, NBINS) == 0, excluded, 0)
 
 
 @triton.jit
@@ -74,30 +74,30 @@ def _load(row, irow, o, m, INDIRECT: tl.constexpr):
 
 
 @triton.jit
-def _hist_pass(row, irow, key, offs, valid, n, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
-               BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
-    """_digit_hist over the program's elements: the register-resident block, or block by block."""
+def _select_pass(row, irow, key, offs, valid, n, thr, need, P: tl.constexpr, DIGIT: tl.constexpr,
+                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
+    """Pass P of the select: digit P (bits 32 - DIGIT*(P+1) .. 32 - DIGIT*P, the last one shorter)
+    of the need-th largest key over the program's elements (the register-resident block, or block
+    by block) -> (thr with that digit set, need less the keys above it)."""
+    HI: tl.constexpr = 32 - DIGIT * P
+    SHIFT: tl.constexpr = HI - DIGIT if HI > DIGIT else 0
+    WIDTH: tl.constexpr = HI - SHIFT
+    NBINS: tl.constexpr = 1 << DIGIT
     if ONE_BLOCK:
-        h = _digit_hist(key, valid, thr, P, SHIFT, WIDTH)
+        h = _digit_hist(key, valid, thr, P, SHIFT, WIDTH, NBINS)
     else:
-        h = tl.zeros([32], tl.int32)
+        h = tl.zeros([NBINS], tl.int32)
         for start in range(0, n, BLOCK):
             o = start + offs
             m = o < n
             k, _ = _load(row, irow, o, m, INDIRECT)
-            h += _digit_hist(k, m, thr, P, SHIFT, WIDTH)
-    return h
-
-
-@triton.jit
-def _pick_digit(h, need, thr, P: tl.constexpr, SHIFT: tl.constexpr):
-    """The digit d holding the need-th largest matching key: thr gets d, need drops by the count above d."""
-    b = tl.arange(0, 32)
+            h += _digit_hist(k, m, thr, P, SHIFT, WIDTH, NBINS)
+    b = tl.arange(0, NBINS)
     suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # keys with digit >= b
     d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
     need = need - tl.sum(tl.where(b > d, h, 0), 0)
     if P == 0:
-        thr = thr | ((d ^ 16) << SHIFT)
+        thr = thr | ((d ^ (1 << (WIDTH - 1))) << SHIFT)
     else:
         thr = thr | (d << SHIFT)
     return thr, need
@@ -106,7 +106,7 @@ def _pick_digit(h, need, thr, P: tl.constexpr, SHIFT: tl.constexpr):
 @triton.jit
 def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
                  BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
-                 FINAL: tl.constexpr):
+                 FINAL: tl.constexpr, DIGIT: tl.constexpr):
     """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
@@ -128,14 +128,11 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
     if ONE_BLOCK:
         key, _ = _load(row_e, irow, offs, valid, INDIRECT)
 
-    # ---- select: the exact key of the kk-th largest, 32 bits in 7 digits
+    # ---- select: the exact key of the kk-th largest, 32 bits in ceil(32 / DIGIT) digits
     thr = tl.zeros([], tl.int32)
     need = kk
-    for p in tl.static_range(6):          # digits: 6 x 5 bits (shifts 27 .. 2), then 2 bits (shift 0)
-        h = _hist_pass(row_e, irow, key, offs, valid, n, thr, p, 27 - 5 * p, 5, BLOCK, ONE_BLOCK, INDIRECT)
-        thr, need = _pick_digit(h, need, thr, p, 27 - 5 * p)
-    h = _hist_pass(row_e, irow, key, offs, valid, n, thr, 6, 0, 2, BLOCK, ONE_BLOCK, INDIRECT)
-    thr, need = _pick_digit(h, need, thr, 6, 0)
+    for p in tl.static_range((32 + DIGIT - 1) // DIGIT):
+        thr, need = _select_pass(row_e, irow, key, offs, valid, n, thr, need, p, DIGIT, BLOCK, ONE_BLOCK, INDIRECT)
 
     # ---- collect: keys > thr, then the first `need` keys == thr by position, at prefix-sum positions
     # (positions follow the original indices: rows directly, candidates chunk by chunk in that order)
@@ -180,13 +177,13 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
 
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
-                       chunk: int | None = None) -> torch.Tensor:
+                       chunk: int | None = None, digit: int | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
     Long rows run in two stages: chunks of `chunk` scores each give their exact top-k (grid B x chunks,
     the whole GPU busy even at B = 1), then the top-k of those candidates (every global pick is among
     its chunk's picks; candidates keep index order chunk by chunk, so ties still go to the smaller
-    index). block, num_warps, chunk: tuning (chunk 0 = always one stage).
+    index). block, num_warps, chunk, digit (bits per select pass): tuning (chunk 0 = always one stage).
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
@@ -205,20 +202,23 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     if ch and n > 2 * ch and ch >= k:
         g = triton.cdiv(n, ch)
         cand = torch.empty(bsz, g * k, dtype=torch.int64, device=scores.device)
-        _launch(scores, scores, cand, n, k, ch, g, False, False, block, num_warps, cuda)
+        _launch(scores, scores, cand, n, k, ch, g, False, False, block, num_warps, cuda, digit)
         n2 = (g - 1) * k + min(k, n - (g - 1) * ch)             # only the last chunk can be short
-        _launch(scores, cand, out, n2, k, n2, 1, True, True, block, num_warps, cuda)
+        _launch(scores, cand, out, n2, k, n2, 1, True, True, block, num_warps, cuda, digit)
     else:
-        _launch(scores, scores, out, n, k, n, 1, False, True, block, num_warps, cuda)
+        _launch(scores, scores, out, n, k, n, 1, False, True, block, num_warps, cuda, digit)
     return out
 
 
 #: chunk length of the first stage on CUDA (rows longer than twice this run in two stages)
 DEFAULT_CHUNK = 4096
+#: bits per select pass (2^DIGIT histogram bins; 32 / DIGIT passes, rounded up)
+DIGIT = 5
 
 
 def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, k: int, chunk: int, groups: int,
-            indirect: bool, final: bool, block: int | None, num_warps: int | None, cuda: bool) -> None:
+            indirect: bool, final: bool, block: int | None, num_warps: int | None, cuda: bool,
+            digit: int | None) -> None:
     blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
     if num_warps:
         warps = num_warps
@@ -230,7 +230,7 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, 
     _topk_kernel[(scores.shape[0], groups)](
         scores, idx, out, scores.stride(0), idx.stride(0), out.stride(0), n, k, chunk,
         BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect, FINAL=final,
-        num_warps=warps)
+        DIGIT=digit or DIGIT, num_warps=warps)
 
 
 __all__ = ["topk_smaller_index"]
