@@ -127,7 +127,7 @@ class Timer:
         flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=self.device) if cuda else None
         host_s = 1e-3                          # the host's enqueue time of the longest region so far
 
-        def one_run(ahead: bool) -> float:
+        def one_run(ahead: bool, calibrate: bool = False) -> float:
             nonlocal host_s
             total = 0.0
 
@@ -146,7 +146,8 @@ class Timer:
                 a.record()
                 t0 = time.perf_counter()
                 fn()
-                host_s = max(host_s, time.perf_counter() - t0)
+                if calibrate:
+                    host_s = max(host_s, time.perf_counter() - t0)
                 b.record()
                 b.synchronize()
                 total += 1e3 * a.elapsed_time(b)
@@ -154,10 +155,12 @@ class Timer:
             run(region)
             return total
 
-        # The first run compiles and autotunes: its host time says nothing of enqueue time, and the
-        # spin ahead of every later region is twice the longest host time seen.
+        # The spin ahead of a region lasts twice the longest enqueue time of the calibration run: a
+        # run without spins after a first one that compiles. Timed runs do not resize it: a region
+        # that synchronises inside (the reference's host reads) would see the spin in its host time
+        # and double it run after run.
         one_run(False)
-        host_s = 1e-3
+        one_run(False, calibrate=True)
         for _ in range(self.host_warmup):
             one_run(True)
         samples = [one_run(True) for _ in range(self.host_reps)]
