@@ -4,9 +4,11 @@
     python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192]
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
-(`dsv4.bench.setup.build_decode_state`); prefill: compress_update + write_entries of one chunk
-for each compressor. Each is run eagerly under `torch.profiler` after warm-up; the table lists
-every kernel with its launches and summed device time per step, and the step's kernel count.
+(`dsv4.bench.setup.build_decode_state`); prefill: Compressor.compress (state update on the bf16
+projections, RMSNorm, RoPE) + write_entries of one chunk for each compressor, and with
+--prefill-layer the whole sub-block on the chunk. Each is run eagerly under `torch.profiler`
+after warm-up; the table lists every kernel with its launches and summed device time per step,
+and the step's kernel count.
 """
 
 from __future__ import annotations
@@ -85,15 +87,14 @@ def main() -> None:
             parts = [(comp, stt.comp_state, pool.kv, sch.kv_format)]
             if comp.overlap:
                 parts.append((comp.indexer, stt.idx_state, pool.indexer, sch.indexer_format))
-            inputs = [(m.kv_proj(x).float(), m.gate_proj(x).float(), m, s, v, f) for m, s, v, f in parts]
+            inputs = [(m.kv_proj(x), m.gate_proj(x), m, s, v, f) for m, s, v, f in parts]
 
-            def chunk(inputs=inputs, b=b, sch=sch) -> None:
+            def chunk(inputs=inputs, b=b, sch=sch, rope=blocks[kind].rope) -> None:
                 for c, z, m, state, views, fmt in inputs:
-                    e, er, ei = ops.compress_update(c, z, state, b.request_slots, b.start_positions_host,
-                                                    b.query_lens_host, m.ratio, m.overlap)
+                    e, er, ei = m.compress(c, z, b, state, rope, ops)
                     ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
 
-            kernel_table(f"prefill {kind} compress_update + write_entries, chunk {n} (from position 0)", chunk)
+            kernel_table(f"prefill {kind} Compressor.compress + write_entries, chunk {n} (from position 0)", chunk)
             if args.prefill_layer:    # the whole sub-block on the chunk (repeated: same shapes, same work)
                 blk = blocks[kind]
                 blk.backend = "triton"

@@ -36,16 +36,16 @@ class Compressor(nn.Module):
         """Fold the batch's tokens into the state; return the entries that finished.
 
         Args:
-            c, z: [T, width] kv_proj(x) and gate_proj(x) of the packed new tokens (z without the
-                position bias, which is added here).
+            c, z: [T, width] kv_proj(x) and gate_proj(x) of the packed new tokens, read in place in
+                their dtype (z without the position bias, which compress_update adds in fp32).
             state: [R, 3, P, dim] fp32 online-softmax state of this compressor (updated in place).
             ops: the op namespace (`dsv4.kernels.dispatch.ops_for`) that runs `compress_update`.
         Returns:
             entries [E, dim] fp32 (normed, RoPE'd at w*m), entry_request [E], entry_index [E] (int64).
         """
-        z = z.float() + self.position_bias.float()[(batch.positions % self.ratio).long()]
-        entries, req, idx = ops.compress_update(c.float(), z, state, batch.request_slots, batch.start_positions_host,
-                                                batch.query_lens_host, self.ratio, self.overlap)
+        entries, req, idx = ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
+                                                batch.query_lens_host, self.ratio, self.overlap,
+                                                z_bias=self.position_bias)
         cos, sin = ops.rope_cos_sin(rope.inv_freq_on(c.device), idx, self.ratio)
         return self.finish(entries, cos, sin, ops), req, idx
 

@@ -1,7 +1,8 @@
 """Prefill benchmarks: one T-token prompt (32K by default) into an empty cache, per layer.
 
     op              what is timed (summed over the prompt's chunks of `prefill_chunk` tokens)
-    compress_flush  compress_update + write_entries           (CSA: main and indexer compressors)
+    compress_flush  Compressor.compress + write_entries      (CSA: main and indexer compressors;
+                                                              state update, RMSNorm, RoPE, scatter)
     layer           AttentionSubBlock.forward per chunk       projections included
     layer (hf)      transformers DeepseekV4Attention.forward  bf16 eager, one shot if it fits,
                                                               else in chunks (the row's note says)
@@ -11,8 +12,8 @@ outside the timed regions: each chunk's device work is timed with CUDA events, q
 spin kernel so the host's launch latency is not counted (an engine enqueues a chunk's layers
 ahead of the GPU), and the chunks are summed; the median is over runs (Timer.time_regions).
 compress_flush also reports, as "µs eager", the same work started right after a synchronize
-(host launch latency included). The compressor inputs c, z of the whole prompt are computed
-once, outside the timing.
+(host launch latency included). The compressor inputs c, z of the whole prompt (bf16, as the
+layer's projection GEMM gives them) are computed once, outside the timing.
 """
 
 from __future__ import annotations
@@ -113,21 +114,17 @@ def _fresh(mgr: KVCacheManager) -> None:
 
 def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types.SimpleNamespace,
                    x: torch.Tensor, chunks: list[int]) -> Timing:
+    """What the layer runs per chunk and compressor: Compressor.compress (state update on the bf16
+    projections with the position bias added inside, then RMSNorm and RoPE of the finished
+    entries) and the quantised scatter (write_entries)."""
     li = LAYER_INDEX[kind]
-    comp = ctx.blocks[kind].compressor
+    blk = ctx.blocks[kind]
+    comp = blk.compressor
     sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
-    pos = torch.arange(x.shape[0], device=x.device)
-    compress = getattr(ops, "compress_update", None)
-    note = None
-    if compress is None:  # an older namespace without the prefill compressor: the reference one
-        from dsv4.kernels.reference.compress import compress_update as compress
-        note = "compress_update: reference (not in this backend)"
-
     parts = [(comp, st.comp_state, pool.kv, sch.kv_format)]
     if comp.overlap:
         parts.append((comp.indexer, st.idx_state, pool.indexer, sch.indexer_format))
-    inputs = [(m.kv_proj(x).float(), m.gate_proj(x).float() + m.position_bias.float()[pos % m.ratio], m, s, v, f)
-              for m, s, v, f in parts]
+    inputs = [(m.kv_proj(x), m.gate_proj(x), m, s, v, f) for m, s, v, f in parts]
 
     def run(region: Callable[[Callable[[], Any]], None]) -> None:
         _fresh(mgr)
@@ -137,16 +134,13 @@ def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types
 
             def work(t0: int = t0, n: int = n, b: Any = b) -> None:
                 for c, z, m, state, views, fmt in inputs:
-                    e, er, ei = compress(c[t0:t0 + n], z[t0:t0 + n], state, b.request_slots,
-                                         b.start_positions_host, b.query_lens_host, m.ratio, m.overlap)
+                    e, er, ei = m.compress(c[t0:t0 + n], z[t0:t0 + n], b, state, blk.rope, ops)
                     ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
 
             region(work)
             t0 += n
 
-    timing = ctx.timer.time_regions(run, synced_too=True)
-    timing.note = note
-    return timing
+    return ctx.timer.time_regions(run, synced_too=True)
 
 
 def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,

@@ -23,13 +23,14 @@ import torch
 
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
+                    *, z_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold a batch of new tokens into the pending entries; return the finished ones.
 
     Args:
-        c, z: [T, Dc] fp32 projections of the packed new tokens (z already has the position bias);
+        c, z: [T, Dc] projections of the packed new tokens (any float dtype; the math is fp32);
             Dc = 2D for CSA (overlap), D for HCA.
+        z_bias: [ratio, Dc] position bias added to z in fp32 (row pos mod ratio); None when z has it.
         state: [R, 3, P, D] fp32 (M, S, A) of the P pending entries per request slot (updated in place).
         request_slots: [B] int state slot per request; start_positions, query_lens: host ints per request.
         ratio: tokens per window m; overlap: CSA's two-window scheme.
@@ -47,6 +48,9 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     nseg = sum(counts)
 
     pos = torch.cat([torch.arange(p0, p0 + n) for p0, n in zip(start_positions, query_lens)]).to(dev)
+    c, z = c.float(), z.float()
+    if z_bias is not None:
+        z = z + z_bias.float()[pos % ratio]
     req = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(query_lens)]).to(dev)
     base_t = torch.tensor(seg_base, device=dev)[req] - torch.tensor(first, device=dev)[req]
     w = pos // ratio

@@ -27,16 +27,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
-                     stride_ct, stride_sr, stride_sk, stride_sp, D, B, n_mid,
+def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
+                     stride_ct, stride_zt, stride_sr, stride_sk, stride_sp, D, B, n_mid,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
-                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr):
+                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr,
+                     BIAS: tl.constexpr):
     """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
     NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
     middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
     (see `_request_table`). Per-segment quantities are [LANES] vectors; slot tiles
     [LANES, BLOCK_S, BLOCK_D]. WIDE: element offsets into c / z need 64 bits (else 32-bit offsets:
-    half the registers of the tile's addresses)."""
+    half the registers of the tile's addresses). c, z in any float dtype (fp32 math); BIAS: z gets
+    zb[pos % m, column] added (slot j of a window is position j mod m)."""
     # one grid axis, channel blocks fastest: the programs running side by side read neighbouring
     # columns of the same token rows (whole rows from DRAM), not one column of many far-apart rows
     n_cb = tl.cdiv(D, BLOCK_D)
@@ -93,9 +95,11 @@ def _compress_kernel(c_ptr, z_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_p
         else:
             col = offs[None, None, :] + 0 * j[None, :, None]
         msk = ok[:, :, None] & dmask[None, None, :]
-        ptr = t[:, :, None] * stride_ct + col
-        z = tl.load(z_ptr + ptr, mask=msk, other=float("-inf"))
-        c = tl.load(c_ptr + ptr, mask=msk, other=0.0)
+        t3 = t[:, :, None]
+        z = tl.load(z_ptr + t3 * stride_zt + col, mask=msk, other=float("-inf")).to(tl.float32)
+        if BIAS:
+            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col, mask=msk, other=0.0)
+        c = tl.load(c_ptr + t3 * stride_ct + col, mask=msk, other=0.0).to(tl.float32)
         m2 = tl.maximum(m, tl.max(z, axis=1))
         ms = tl.where(m2 == float("-inf"), 0.0, m2)            # no slot yet: keep exp finite
         keep = tl.where(m == float("-inf"), 0.0, tl.exp(m - ms))
@@ -148,11 +152,13 @@ def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...]
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
-                    *, segs: int | None = None, block_d: int | None = None, block_s: int | None = None,
-                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    *, z_bias: torch.Tensor | None = None, segs: int | None = None, block_d: int | None = None,
+                    block_s: int | None = None, num_warps: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `dsv4.kernels.reference.compress.compress_update` (tuning: segs middle
     entries per program, a power of two; block_d channels per program, block_s slots per load,
-    num_warps). The state is updated in place by the kernel: one launch, nothing after it."""
+    num_warps). The state is updated in place by the kernel: one launch, nothing after it; c and z
+    are read as they come (bf16 projections in place, the bias added in the kernel)."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
     bsz = len(query_lens)
@@ -161,7 +167,8 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     tab = torch.tensor(host, dtype=torch.int32, pin_memory=cuda).to(dev, non_blocking=True)
     entries = torch.empty(e, d, dtype=torch.float32, device=dev)
     e_out = torch.empty(2, e, dtype=torch.int64, device=dev)                 # entry_request, entry_index
-    c, z = c.float().contiguous(), z.float().contiguous()
+    c, z = _rows_contiguous(c), _rows_contiguous(z)
+    zb = z_bias.float().contiguous() if z_bias is not None else c
     assert state.is_contiguous() and state.shape[2] == npend, "the state cache is one contiguous tensor"
     ns = 2 * ratio if overlap else ratio
     cfg = _tiles(d, ns, cuda)
@@ -171,11 +178,19 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     lanes = max(segs, 2 * npend)                               # a boundary program takes 2 npend segments
     if bsz:
         _compress_kernel[((bsz + triton.cdiv(n_mid, lanes)) * triton.cdiv(d, block_d),)](
-            c, z, state, entries, e_out[0], e_out[1], tab, request_slots,
-            c.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, n_mid,
+            c, z, zb, state, entries, e_out[0], e_out[1], tab, request_slots,
+            c.stride(0), z.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, n_mid,
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
-            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s, WIDE=c.numel() >= 2**31, num_warps=warps)
+            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s,
+            WIDE=max(c.shape[0] * c.stride(0), z.shape[0] * z.stride(0)) >= 2**31, BIAS=z_bias is not None,
+            num_warps=warps)
     return entries, e_out[0], e_out[1]
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, width] as the kernel reads it: contiguous columns, any row stride (a column view of
+    the layer's fused projection is read in place)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int]:
