@@ -153,19 +153,19 @@ def main() -> int:
         report("write_entries fp8_ds", co, "_write_entries_kernel",
                lambda: co.write_entries(pool.kv, sch.kv_format, torch.randn(8, 512), er, ei, b.block_table, 64))
         for name, d, ratio, ov, kws in [
-                ("csa main", 512, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=4),
+                ("csa main", 512, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=2),
                                             dict(segs=4, block_d=64, block_s=8, num_warps=4)]),
-                ("csa indexer", 128, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=4),
+                ("csa indexer", 128, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=2),
                                                dict(segs=4, block_d=32, block_s=8, num_warps=2)]),
-                ("hca", 512, 128, False, [dict(segs=2, block_d=16, block_s=128, num_warps=2),
+                ("hca", 512, 128, False, [dict(segs=2, block_d=32, block_s=128, num_warps=4),
                                           dict(segs=2, block_d=32, block_s=64, num_warps=4)])]:
             dc = 2 * d if ov else d
             state = torch.zeros(2, 3, 2 if ov else 1, d)
-            for kw in kws:
+            for kw in kws:           # as the layer calls it: bf16 projections, the position bias added inside
                 report(f"compress {name} {kw}", cmp, "_compress_kernel",
                        lambda kw=kw, d=d, dc=dc, ratio=ratio, ov=ov, state=state: cmp.compress_update(
-                           torch.randn(1024, dc), torch.randn(1024, dc), state, torch.tensor([1]), (0,), (1024,),
-                           ratio, ov, **kw))
+                           torch.randn(1024, dc).bfloat16(), torch.randn(1024, dc).bfloat16(), state,
+                           torch.tensor([1]), (0,), (1024,), ratio, ov, z_bias=torch.randn(ratio, dc), **kw))
     return 0
 
 

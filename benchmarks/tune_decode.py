@@ -236,10 +236,10 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
 
 @triton.jit
 def _stream_kernel(c_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """The read floor of a compressor's inputs: c and z in contiguous 32 KB tiles, one sum out."""
+    """The read floor of a compressor's inputs: c and z in contiguous tiles of BLOCK elements, one sum out."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(c_ptr + offs, mask=m, other=0.0) + tl.load(z_ptr + offs, mask=m, other=0.0)
+    x = tl.load(c_ptr + offs, mask=m, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=m, other=0.0)
     tl.store(out_ptr + tl.program_id(0), tl.sum(x, 0))
 
 
@@ -251,11 +251,12 @@ def prefill_compress(chunk: int = 8192) -> None:
     cases = (("csa main", 512, 4, True), ("csa indexer", 128, 4, True), ("hca", 512, 128, False))
     for name, d, ratio, overlap in cases:
         dc = 2 * d if overlap else d
-        c = torch.randn(chunk, dc, device=dev)
-        z = torch.randn(chunk, dc, device=dev)
+        c = torch.randn(chunk, dc, device=dev).bfloat16()          # as the layer's projection GEMM gives them
+        z = torch.randn(chunk, dc, device=dev).bfloat16()
+        bias = torch.randn(ratio, dc, device=dev)
         state = torch.zeros(4, 3, 2 if overlap else 1, d, device=dev)
         slots = torch.tensor([1], dtype=torch.int32, device=dev)
-        nbytes = 2 * chunk * dc * 4 + (chunk // ratio) * d * 4
+        nbytes = 2 * chunk * dc * 2 + (chunk // ratio) * d * 4
 
         # (segs, block_d, block_s, num_warps); {} = the defaults
         variants: list[dict[str, int]] = [{}]
@@ -274,10 +275,14 @@ def prefill_compress(chunk: int = 8192) -> None:
         sums = torch.empty(triton.cdiv(c.numel(), 4096), device=dev)
         prefill_one(name + " read floor (stream c, z)", chunk,
                     lambda c=c, z=z, sums=sums: _stream_kernel[(sums.numel(),)](c, z, sums, c.numel(), BLOCK=4096),
-                    2 * chunk * dc * 4)
+                    2 * chunk * dc * 2)
+        cf, zf = c.float(), z.float() + bias[torch.arange(chunk, device=dev) % ratio]
+        prefill_one(name + " fp32 inputs, bias added before (the layer's old path, kernel only)", chunk,
+                    lambda cf=cf, zf=zf, state=state, slots=slots, ratio=ratio, overlap=overlap:
+                    compress_update(cf, zf, state, slots, (chunk,), (chunk,), ratio, overlap), nbytes)
         for kw in variants:
-            def run(c=c, z=z, state=state, slots=slots, ratio=ratio, overlap=overlap, kw=kw):
-                return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, overlap, **kw)
+            def run(c=c, z=z, state=state, slots=slots, ratio=ratio, overlap=overlap, kw=kw, bias=bias):
+                return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, overlap, z_bias=bias, **kw)
 
             prefill_one(name + " " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"), chunk, run, nbytes)
 

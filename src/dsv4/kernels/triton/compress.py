@@ -97,8 +97,9 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
         msk = ok[:, :, None] & dmask[None, None, :]
         t3 = t[:, :, None]
         z = tl.load(z_ptr + t3 * stride_zt + col, mask=msk, other=float("-inf")).to(tl.float32)
-        if BIAS:
-            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col, mask=msk, other=0.0)
+        if BIAS:   # loaded in z's layout, every lane the same (cached) row: a shared [1, BLOCK_S, BLOCK_D]
+            # tile is converted through shared memory and measured 2-4x slower (H200, 8K chunk)
+            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col + 0 * t3, mask=msk, other=0.0)
         c = tl.load(c_ptr + t3 * stride_ct + col, mask=msk, other=0.0).to(tl.float32)
         m2 = tl.maximum(m, tl.max(z, axis=1))
         ms = tl.where(m2 == float("-inf"), 0.0, m2)            # no slot yet: keep exp finite
@@ -194,16 +195,17 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int]:
-    """Default (segs, block_d, block_s, num_warps): CSA (2m = 8 slots) four entries x 128 channels,
-    HCA (128 slots) two entries x 16 channels x all 128 slots. H200, one 8K chunk, graph replay
-    with the L2 flushed (benchmarks/tune_decode.py; the table copy included): CSA main 33.9 µs
-    (2-8 entries x 64-512 channels x 2-8 warps: 33.9-38), indexer 15.2 (14.6-17.1), HCA 22.2 (32
-    channels x 64 slots: 24.3; 128 channels x 16 slots: 30.6); the read floor of the same c and z
-    (a stream of 32 KB tiles) is 25.3 / 10.9 / 16.1 µs. Persistent programs that load the next
-    item's tile before reducing the current one were slower (CSA main 46-54 µs, HCA 25-38).
+    """Default (segs, block_d, block_s, num_warps): CSA (2m = 8 slots) four entries x 128 channels x
+    2 warps, HCA (128 slots) two entries x 32 channels x all 128 slots x 4 warps. H200, one 8K
+    chunk of bf16 projections with the position bias added in the kernel, graph replay with the L2
+    flushed (benchmarks/tune_decode.py --prefill-only; the table copy included): CSA main 27.1 µs,
+    indexer 13.7, HCA 21.0 (fp32 inputs with the bias added beforehand, the earlier path: 35.5,
+    15.7, 23.1 for the kernel alone); the read floor of the same c and z (a stream kernel) is 17.1
+    / 9.0 / 11.2 µs. Persistent programs that load the next item's tile before reducing the
+    current one were slower (fp32 inputs: CSA main 46-54 µs, HCA 25-38).
     The CPU interpreter wants few, small tiles."""
     if not cuda:
         return 1, min(triton.next_power_of_2(d), 128), min(triton.next_power_of_2(ns), 32), 4
     if ns >= 64:
-        return 2, 16, triton.next_power_of_2(ns), 2
-    return 4, 128, triton.next_power_of_2(ns), 4
+        return 2, 32, triton.next_power_of_2(ns), 4
+    return 4, 128, triton.next_power_of_2(ns), 2
