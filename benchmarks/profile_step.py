@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192]
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
-(`dsv4.bench.setup.build_decode_state`); prefill: Compressor.compress (state update on the bf16
+(`dsv4.bench.setup.build_decode_state`); prefill: compress_layer (state update on the bf16
 projections, RMSNorm, RoPE) + write_entries of one chunk for each compressor, and with
 --prefill-layer the whole sub-block on the chunk. Each is run eagerly under `torch.profiler`
 after warm-up; the table lists every kernel with its launches and summed device time per step,
@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsv4.bench import setup as bench_setup
 from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.bench.prefill import compress_flush
 from dsv4.cache.manager import KVCacheManager
 from dsv4.kernels.dispatch import ops_for
 
@@ -81,20 +82,16 @@ def main() -> None:
             mgr.add_request("r")
             b = mgr.prepare_forward({"r": n})
             torch.cuda.synchronize()
-            sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
             comp = blocks[kind].compressor
             x = torch.randn(n, cfg.hidden_size, device=DEV).to(torch.bfloat16)
-            parts = [(comp, stt.comp_state, pool.kv, sch.kv_format)]
+            proj = {"c": comp.kv_proj(x), "z": comp.gate_proj(x)}
             if comp.overlap:
-                parts.append((comp.indexer, stt.idx_state, pool.indexer, sch.indexer_format))
-            inputs = [(m.kv_proj(x), m.gate_proj(x), m, s, v, f) for m, s, v, f in parts]
+                proj.update(ic=comp.indexer.kv_proj(x), iz=comp.indexer.gate_proj(x))
 
-            def chunk(inputs=inputs, b=b, sch=sch, rope=blocks[kind].rope) -> None:
-                for c, z, m, state, views, fmt in inputs:
-                    e, er, ei = m.compress(c, z, b, state, rope, ops)
-                    ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
+            def chunk(proj=proj, b=b, mgr=mgr, li=li, blk=blocks[kind]) -> None:
+                compress_flush(blk, proj, b, mgr, li, ops)
 
-            kernel_table(f"prefill {kind} Compressor.compress + write_entries, chunk {n} (from position 0)", chunk)
+            kernel_table(f"prefill {kind} compress_layer + write_entries, chunk {n} (from position 0)", chunk)
             if args.prefill_layer:    # the whole sub-block on the chunk (repeated: same shapes, same work)
                 blk = blocks[kind]
                 blk.backend = "triton"

@@ -229,6 +229,26 @@ def test_attention_real_dims_64_heads():
     close(tri.decode_attention(*args, num_splits=2, block_h=16), ref.decode_attention(*args), TOL["bf16"])
 
 
+@pytest.mark.parametrize("knobs", [{}, {"two_pass": True, "value_splits": 1}, {"num_splits": 1}, {"num_splits": 3},
+                                   {"num_splits": 18}],
+                         ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-2-trips"])
+def test_attention_inverse_rope_bf16(knobs):
+    """rope=(cos, sin), out_dtype=bf16 and a bf16 q: the two-pass scheme's pass 2 rotates (two value
+    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (18 splits:
+    two trips of 16, the second part-masked); a one-split fused kernel hands over to norm_rope."""
+    args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=160))
+    g = torch.Generator().manual_seed(7)
+    ang = torch.rand(len(REAL_LENS), 32, generator=g).to(DEVICE) * 6.3
+    rope = (ang.cos(), ang.sin())
+    args[0] = args[0].to(torch.bfloat16)
+    out = tri.decode_attention(*args, rope=rope, out_dtype=torch.bfloat16, **knobs)
+    assert out.dtype == torch.bfloat16
+    want = ref.decode_attention(*args, rope=rope, out_dtype=torch.float32)
+    close(out.float(), want, TOL["bf16"])
+    plain = ref.decode_attention(*args)                 # the rotation moved the rope channels
+    assert max_rel(out.float()[..., -64:], plain[..., -64:]) > 0.1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
@@ -238,8 +258,16 @@ def test_attention_64_heads_long(kv_format, layer):
     args = attention_args("real", kv_format, layer, 64, lens, topk=512)
     tol = TOL["ieee" if kv_format == "fp32" else "bf16"]
     close(tri.decode_attention(*args), ref.decode_attention(*args), tol)
-    for splits in (1, 7, 11):                # 11: the combine's second trip of 8 splits, part-masked
+    for splits in (1, 7, 11, 40):            # 40: the combine's third trip of 16 splits, part-masked
         close(tri.decode_attention(*args, num_splits=splits), ref.decode_attention(*args), tol)
+    g = torch.Generator().manual_seed(layer)
+    ang = torch.rand(len(lens), 32, generator=g).to(DEVICE) * 6.3
+    rope = (ang.cos(), ang.sin())
+    want = ref.decode_attention(*args, rope=rope, out_dtype=torch.float32)
+    for splits in (None, 1, 40):
+        out = tri.decode_attention(*args, rope=rope, out_dtype=torch.bfloat16,
+                                   **({} if splits is None else {"num_splits": splits}))
+        close(out.float(), want, TOL["bf16"])
 
 
 @pytest.mark.gpu

@@ -58,7 +58,8 @@ def test_compress_update_matches_reference(device, overlap, ratio, d, tiles):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap,ratio,d", [(True, 4, 64), (False, 16, 128)])
-def test_compress_update_bf16_views_with_bias(device, overlap, ratio, d):
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_compress_update_bf16_views_with_bias(device, overlap, ratio, d, bias_dtype):
     """What the layer passes: bf16 column views of one fused projection (row stride > width), the
     position bias added inside; the same as the reference on those inputs, and as the fp32 inputs
     with the bias already added (the fp32 add is the same either way)."""
@@ -67,15 +68,15 @@ def test_compress_update_bf16_views_with_bias(device, overlap, ratio, d):
     t = sum(lens)
     proj = (torch.randn(t, 2 * dc + 24, device=device) * 3).to(torch.bfloat16)   # [other | c | z] columns
     c, z = proj[:, 24:24 + dc], proj[:, 24 + dc:]
-    bias = torch.randn(ratio, dc, device=device)
+    bias = torch.randn(ratio, dc, device=device).to(bias_dtype)     # a bf16 model's bias is read as it is
     pos = torch.cat([torch.arange(p0, p0 + n) for p0, n in zip(starts, lens)]).to(device)
     slots = torch.tensor([3, 0, 1, 2], device=device)
     st = _state(4, 2 if overlap else 1, d, device)
     s_ref, s_tri, s_f32 = st.clone(), st.clone(), st.clone()
     e_ref, _, _ = ref_compress.compress_update(c, z, s_ref, slots, starts, lens, ratio, overlap, z_bias=bias)
     e_tri, _, _ = tri_compress.compress_update(c, z, s_tri, slots, starts, lens, ratio, overlap, z_bias=bias)
-    e_f32, _, _ = tri_compress.compress_update(c.float(), z.float() + bias[pos % ratio], s_f32, slots, starts, lens,
-                                               ratio, overlap)
+    e_f32, _, _ = tri_compress.compress_update(c.float(), z.float() + bias.float()[pos % ratio], s_f32, slots, starts,
+                                               lens, ratio, overlap)
     torch.testing.assert_close(e_tri, e_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(e_tri, e_f32) and torch.equal(s_tri, s_f32)
     fin = torch.isfinite(s_ref)

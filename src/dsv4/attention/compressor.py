@@ -31,9 +31,9 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def compress(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
-                 rope: RopeTable, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fold the batch's tokens into the state; return the entries that finished.
+    def update(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
+               ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fold the batch's tokens into the state; return the entries that finished, before `finish`.
 
         Args:
             c, z: [T, width] kv_proj(x) and gate_proj(x) of the packed new tokens, read in place in
@@ -41,11 +41,16 @@ class Compressor(nn.Module):
             state: [R, 3, P, dim] fp32 online-softmax state of this compressor (updated in place).
             ops: the op namespace (`dsv4.kernels.dispatch.ops_for`) that runs `compress_update`.
         Returns:
-            entries [E, dim] fp32 (normed, RoPE'd at w*m), entry_request [E], entry_index [E] (int64).
+            entries [E, dim] fp32 (A/S), entry_request [E], entry_index [E] (int64).
         """
-        entries, req, idx = ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
-                                                batch.query_lens_host, self.ratio, self.overlap,
-                                                z_bias=self.position_bias)
+        return ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
+                                   batch.query_lens_host, self.ratio, self.overlap, z_bias=self.position_bias)
+
+    def compress(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
+                 rope: RopeTable, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`update`, then `finish` at the finished entries' positions: entries [E, dim] fp32 (normed,
+        RoPE'd at w*m), entry_request [E], entry_index [E] (int64)."""
+        entries, req, idx = self.update(c, z, batch, state, ops)
         cos, sin = ops.rope_cos_sin(rope.inv_freq_on(c.device), idx, self.ratio)
         return self.finish(entries, cos, sin, ops), req, idx
 
@@ -62,3 +67,26 @@ class Compressor(nn.Module):
                ops: types.SimpleNamespace) -> torch.Tensor:
         """kv_norm then RoPE (cos/sin at each entry's first token w*m) of finished entries."""
         return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+
+
+def compress_layer(comp: Compressor, proj: dict[str, torch.Tensor], batch: ForwardBatch, comp_state: torch.Tensor,
+                   idx_state: torch.Tensor | None, rope: RopeTable, ops: types.SimpleNamespace
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A layer's compressors on one step: the main one and, CSA, the indexer's. Both have the same
+    ratio, so they finish the same entries: one rotary table serves both.
+
+    Args:
+        proj: the layer's projections of x (c, z; CSA also ic, iz); comp_state / idx_state: the
+            state caches of the main and (CSA) indexer compressors.
+    Returns:
+        entries [E, D] fp32, entry_request [E], entry_index [E], indexer keys [E, D_I] fp32 (CSA) or None.
+    """
+    entries, req, idx = comp.update(proj["c"], proj["z"], batch, comp_state, ops)
+    cos, sin = ops.rope_cos_sin(rope.inv_freq_on(entries.device), idx, comp.ratio)
+    entries = comp.finish(entries, cos, sin, ops)
+    keys = None
+    if idx_state is not None:
+        indexer = comp.indexer
+        keys, _, _ = indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
+        keys = indexer.finish(keys, cos, sin, ops)
+    return entries, req, idx, keys

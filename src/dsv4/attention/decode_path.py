@@ -9,7 +9,8 @@ On CUDA the step runs on two streams (a CUDA graph captures them as parallel bra
            indexer queries
     side   cos/sin -> kv norm/RoPE -> window append -> compressor(s) -> entry norm/RoPE -> cache
            writes -> CSA indexer weights
-    join   -> CSA indexer scores + top-k -> attention
+    join   -> CSA indexer scores + top-k -> attention (its split combine also applies the inverse
+           RoPE and writes the output projection's dtype)
 
 The side branch is a chain of small latency-bound kernels that would otherwise wait behind the
 GEMM; every tensor it reads stays referenced until the join.
@@ -40,14 +41,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
-                  ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ops: types.SimpleNamespace, out_dtype: torch.dtype) -> torch.Tensor:
     """Cache writes and attention for an all-decode batch.
 
     Args:
         blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`).
     Returns:
-        [B, H, D] fp32 attention output before the inverse RoPE, and cos, sin [B, r/2] of the
-        tokens' positions.
+        [B, H, D] attention output after the inverse RoPE (applied by the attention op), in out_dtype.
     """
     b, st, sch = cache.batch, cache.state, cache.schema
     fmt = sch.kv_format
@@ -57,6 +57,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     csa = sch.attn_type is AttentionType.CSA
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     side = _side_stream(dev)
+    num_entries = None
     if side is not None:
         side.wait_stream(main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -84,17 +85,18 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                 ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
                                   b.block_table, epb)
                 g = idx.weights(proj["iw"])
+            num_entries = b.seq_lens // sch.compress_ratio      # here: off the main branch's chain
     q_up = blk.query_up(blk.q_residual(proj, ops))
     if table_ready is not None:
         main.wait_event(table_ready)
-    q = blk.queries(q_up, cos, sin, ops)
+    # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
+    # conversion kernel runs before the attention (the same rounding the kernels would do)
+    bf16_q = ops.name == "triton" and fmt.name != "fp32"
+    q = blk.queries(q_up, cos, sin, ops, out_dtype=torch.bfloat16 if bf16_q else torch.float32)
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
-    indices = num_entries = None
-    max_entries = 0
-    if comp is not None:
-        max_entries = b.seq_len_bound // sch.compress_ratio
-        num_entries = b.seq_lens // sch.compress_ratio          # before the join: off the critical path
+    indices = None
+    max_entries = 0 if comp is None else b.seq_len_bound // sch.compress_ratio
     if side is not None:
         main.wait_stream(side)
 
@@ -104,7 +106,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                                               max_entries, sch.entries_per_block)
             indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
-    o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
-                             pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
-                             indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5)
-    return o, cos, sin
+    return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
+                                pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
+                                indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
+                                rope=(cos, sin), out_dtype=out_dtype)

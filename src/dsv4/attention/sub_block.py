@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.attention.compressor import Compressor
+from dsv4.attention.compressor import Compressor, compress_layer
 from dsv4.attention.decode_path import decode_attend
 from dsv4.attention.indexer import Indexer
 from dsv4.attention.layers import FusedProjection, RMSNorm, grouped_output
@@ -101,13 +101,13 @@ class AttentionSubBlock(nn.Module):
         ops = self._ops(cache)
         proj = self.project(x)
         if self.decode_path and batch.is_decode:
-            o, cos, sin = decode_attend(self, proj, cache, ops)
+            o = decode_attend(self, proj, cache, ops, x.dtype)        # inverse RoPE applied by the attention op
         else:
             cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
             q_up = self.query_up(self.q_residual(proj, ops))
             q = self.queries(q_up, cos, sin, ops)
             o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
-        o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
+            o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
         return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
 
     def q_residual(self, proj: dict[str, torch.Tensor], ops) -> torch.Tensor:
@@ -120,11 +120,12 @@ class AttentionSubBlock(nn.Module):
         """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM."""
         return dict(zip(self._q_up_names, self._q_up(q_res)))
 
-    def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
-        """q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] fp32."""
+    def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] (fp32 unless asked)."""
         q = q_up["q"]
         q = q.view(q.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
-        return ops.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin, out_dtype=torch.float32)
+        return ops.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin, out_dtype=out_dtype)
 
     def window_kv(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
         """kv = RoPE_t(RMSNorm_w(x W_kv)) [T, D], what the window ring stores."""
@@ -151,14 +152,12 @@ class AttentionSubBlock(nn.Module):
         ratio = max_entries = 0
         if self.compressor is not None:
             st = cache.state
-            comp = self.compressor
-            entries, ereq, eidx = comp.compress(proj["c"], proj["z"], batch, st.comp_state, self.rope, ops)
-            ikeys = None
-            if self.spec.attn is AttentionType.CSA:
-                ikeys, _, _ = comp.indexer.compress(proj["ic"], proj["iz"], batch, st.idx_state, self.rope, ops)
+            csa = self.spec.attn is AttentionType.CSA
+            entries, ereq, eidx, ikeys = compress_layer(self.compressor, proj, batch, st.comp_state, st.idx_state,
+                                                        self.rope, ops)
             cache.flush_compression(entries, ereq, eidx, ikeys)
-            if self.spec.attn is AttentionType.CSA:
-                selected = comp.indexer.select(q_up["iq"], proj["iw"], cache, cos, sin, ops)
+            if csa:
+                selected = self.compressor.indexer.select(q_up["iq"], proj["iw"], cache, cos, sin, ops)
             ratio, max_entries = self.spec.compress_ratio, cache.max_entries()
         pool = cache.paged
         return ops.prefill_attention(q, win_kv, win_pos, new_kv, batch.positions, batch.token_request,

@@ -1,8 +1,9 @@
 """Prefill benchmarks: one T-token prompt (32K by default) into an empty cache, per layer.
 
     op              what is timed (summed over the prompt's chunks of `prefill_chunk` tokens)
-    compress_flush  Compressor.compress + write_entries      (CSA: main and indexer compressors;
-                                                              state update, RMSNorm, RoPE, scatter)
+    compress_flush  compress_layer + write_entries           (CSA: main and indexer compressors,
+                                                              one rotary table; state update,
+                                                              RMSNorm, RoPE, scatter)
     layer           AttentionSubBlock.forward per chunk       projections included
     layer (hf)      transformers DeepseekV4Attention.forward  bf16 eager, one shot if it fits,
                                                               else in chunks (the row's note says)
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsv4.attention.compressor import compress_layer
 from dsv4.bench.common import LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, prefill_work
 from dsv4.bench.setup import acquire
@@ -114,17 +116,15 @@ def _fresh(mgr: KVCacheManager) -> None:
 
 def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types.SimpleNamespace,
                    x: torch.Tensor, chunks: list[int]) -> Timing:
-    """What the layer runs per chunk and compressor: Compressor.compress (state update on the bf16
+    """What the layer runs per chunk: `compress_layer` (state update on the bf16
     projections with the position bias added inside, then RMSNorm and RoPE of the finished
     entries) and the quantised scatter (write_entries)."""
     li = LAYER_INDEX[kind]
     blk = ctx.blocks[kind]
     comp = blk.compressor
-    sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
-    parts = [(comp, st.comp_state, pool.kv, sch.kv_format)]
+    proj = {"c": comp.kv_proj(x), "z": comp.gate_proj(x)}
     if comp.overlap:
-        parts.append((comp.indexer, st.idx_state, pool.indexer, sch.indexer_format))
-    inputs = [(m.kv_proj(x), m.gate_proj(x), m, s, v, f) for m, s, v, f in parts]
+        proj.update(ic=comp.indexer.kv_proj(x), iz=comp.indexer.gate_proj(x))
 
     def run(region: Callable[[Callable[[], Any]], None]) -> None:
         _fresh(mgr)
@@ -133,14 +133,23 @@ def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types
             b = _plan(mgr, n)
 
             def work(t0: int = t0, n: int = n, b: Any = b) -> None:
-                for c, z, m, state, views, fmt in inputs:
-                    e, er, ei = m.compress(c[t0:t0 + n], z[t0:t0 + n], b, state, blk.rope, ops)
-                    ops.write_entries(views, fmt, e, er, ei, b.block_table, sch.entries_per_block)
+                compress_flush(blk, {k: v[t0:t0 + n] for k, v in proj.items()}, b, mgr, li, ops)
 
             region(work)
             t0 += n
 
     return ctx.timer.time_regions(run, synced_too=True)
+
+
+def compress_flush(blk: Any, proj: dict[str, torch.Tensor], batch: Any, mgr: KVCacheManager, li: int,
+                   ops: types.SimpleNamespace) -> None:
+    """What layer li runs to compress one chunk and flush it: its compressors (`compress_layer`)
+    and the quantised scatter of the finished entries (and CSA indexer keys) into the pools."""
+    sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+    e, er, ei, keys = compress_layer(blk.compressor, proj, batch, st.comp_state, st.idx_state, blk.rope, ops)
+    ops.write_entries(pool.kv, sch.kv_format, e, er, ei, batch.block_table, sch.entries_per_block)
+    if keys is not None:
+        ops.write_entries(pool.indexer, sch.indexer_format, keys, er, ei, batch.block_table, sch.entries_per_block)
 
 
 def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.kernels.reference.cache_ops import Views, read_rows
+from dsv4.kernels.reference.norm_rope import norm_rope
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
@@ -110,15 +111,22 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      request_slots: torch.Tensor, positions: torch.Tensor, window: int,
                      kv_views: Views | None, block_table: torch.Tensor | None, epb: int,
                      indices: torch.Tensor | None, num_entries: torch.Tensor | None, max_entries: int,
-                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                     sinks: torch.Tensor, scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
     the selected entries `indices` [B, K] (CSA, -1 = masked) or the first num_entries[b] entries
     (HCA; max_entries is the static bound), or none (SWA).
     Args:
-        q: [B, H, D] fp32; sinks: [H]. Returns [B, H, D] fp32.
+        q: [B, H, D] float (computed in fp32); sinks: [H].
+        rope: (cos, sin) [B, r/2] of the tokens' positions: the output is then RoPE_{-t}(o), the
+            layer's inverse rotation (`norm_rope(..., normalize=False, inverse=True)`).
+        out_dtype: the output's dtype (default fp32).
+    Returns:
+        [B, H, D].
     """
+    q = q.float()
     slots = request_slots.long()
     t = positions.long()[:, None]
     wpos = swa_pos[slots].long()                                               # [B, W]
@@ -147,4 +155,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     m = torch.maximum(logits.amax(-1, keepdim=True), sink)
     p = torch.exp(logits - m)
     p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
-    return torch.einsum("bhs,bsd->bhd", p, keys)
+    o = torch.einsum("bhs,bsd->bhd", p, keys)
+    if rope is not None:
+        o = norm_rope(o, None, 0.0, *rope, normalize=False, inverse=True)
+    return o if out_dtype is None else o.to(out_dtype)

@@ -99,7 +99,8 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
         z = tl.load(z_ptr + t3 * stride_zt + col, mask=msk, other=float("-inf")).to(tl.float32)
         if BIAS:   # loaded in z's layout, every lane the same (cached) row: a shared [1, BLOCK_S, BLOCK_D]
             # tile is converted through shared memory and measured 2-4x slower (H200, 8K chunk)
-            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col + 0 * t3, mask=msk, other=0.0)
+            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col + 0 * t3, mask=msk,
+                         other=0.0).to(tl.float32)
         c = tl.load(c_ptr + t3 * stride_ct + col, mask=msk, other=0.0).to(tl.float32)
         m2 = tl.maximum(m, tl.max(z, axis=1))
         ms = tl.where(m2 == float("-inf"), 0.0, m2)            # no slot yet: keep exp finite
@@ -169,7 +170,7 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     entries = torch.empty(e, d, dtype=torch.float32, device=dev)
     e_out = torch.empty(2, e, dtype=torch.int64, device=dev)                 # entry_request, entry_index
     c, z = _rows_contiguous(c), _rows_contiguous(z)
-    zb = z_bias.float().contiguous() if z_bias is not None else c
+    zb = z_bias.contiguous() if z_bias is not None else c       # any float dtype: no conversion kernel
     assert state.is_contiguous() and state.shape[2] == npend, "the state cache is one contiguous tensor"
     ns = 2 * ratio if overlap else ratio
     cfg = _tiles(d, ns, cuda)

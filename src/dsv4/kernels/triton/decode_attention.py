@@ -41,6 +41,7 @@ from dsv4.kernels.triton.decode_common import (
     split_operand,
     split_stats,
 )
+from dsv4.kernels.triton.norm_rope import norm_rope
 
 _MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": 2}
 _FP8_DS: tl.constexpr = tl.constexpr(2)
@@ -185,27 +186,44 @@ def _decode_attn_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
-                    H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink).
+def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
+                    H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BLOCK_H: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
+    ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
+    as `norm_rope`), so the layer's separate pass over the output is not needed. Stored in out's dtype.
 
-    Program (b, head block, 64-channel block); eight splits' loads per trip are in flight together
-    (one load per trip over whole rows left B = 1 with 4 programs waiting on each split in turn)."""
+    Program (b, head block, channel block); the partials of SC splits are one [SC, heads, channels]
+    load, so every split's load is in flight at once (the splits are an unrolled static loop). A
+    rotated channel d also sums its partner d ^ 1 (a second load of the same rows)."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     m_f, den = split_stats(pml_ptr, sinks_ptr, b, h, hmask, H, S, S_PAD)
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    rot = dmask & (d >= D - 2 * HALF_R)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
-        for u in tl.static_range(8):
-            si = s0 + u
-            ok = hmask & (si + 0 * h < S)
-            m_s = tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf"))
-            part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d, mask=ok[:, None], other=0.0)
-            acc += tl.exp2(m_s - m_f)[:, None] * part
-    tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, acc / den[:, None], mask=hmask[:, None] & (d < D))
+    acc_p = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in tl.static_range(0, S, SC):
+        si = s0 + tl.arange(0, SC)
+        ok = (si < S)[:, None] & hmask[None, :]
+        m_s = tl.load(pml_ptr + ((b * S + si[:, None]) * H + h[None, :]) * 2, mask=ok, other=float("-inf"))
+        wgt = tl.exp2(m_s - m_f[None, :])[:, :, None]
+        row = part_ptr + b * s_pb + si[:, None, None] * s_ps + h[None, :, None] * s_ph
+        acc += tl.sum(wgt * tl.load(row + d[None, None, :], mask=ok[:, :, None] & dmask[None, None, :], other=0.0), 0)
+        if ROPE:
+            partner = tl.load(row + (d ^ 1)[None, None, :], mask=ok[:, :, None] & rot[None, None, :], other=0.0)
+            acc_p += tl.sum(wgt * partner, 0)
+    o = acc / den[:, None]
+    if ROPE:    # inverse rotation of pair (e, o): e' = e cos + o sin, o' = o cos - e sin
+        j = d // 2 - (D // 2 - HALF_R)
+        cs = tl.load(cos_ptr + b * HALF_R + j, mask=rot, other=1.0)
+        sn = tl.load(sin_ptr + b * HALF_R + j, mask=rot, other=0.0)
+        sn = tl.where(d % 2 == 0, sn, -sn)
+        o = o * cs[None, :] + (acc_p / den[:, None]) * sn[None, :]
+    tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None] & dmask[None, :])
 
 
 def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: torch.Tensor,
@@ -219,14 +237,16 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      score_block_n: int | None = None, score_warps: int | None = None,
                      score_splits: int | None = None, value_block_n: int | None = None,
                      value_block_d: int | None = None, value_warps: int | None = None,
-                     value_splits: int | None = None) -> torch.Tensor:
+                     value_splits: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
     the selected entries `indices` [B, K] (CSA, -1 = masked) or the first num_entries[b] entries
     (HCA; max_entries is the static bound), or none (SWA).
     Args:
-        q: [B, H, D] fp32; sinks: [H]; swa: ring region views {name: [R, W, bytes]};
+        q: [B, H, D] float (bf16 is read as is where the dots take bf16 operands, else as fp32);
+        sinks: [H]; swa: ring region views {name: [R, W, bytes]};
         swa_pos: [R, W] int32; request_slots, positions: [B] int; block_table: [B, max_blocks].
         precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 entries, else bf16).
         block_h, block_n, num_splits, num_warps, num_stages: heads per program, keys per tile, key
@@ -237,8 +257,11 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         request; value_block_n, value_block_d, value_warps, value_splits: its pass 2 keys per tile,
         value channels per program, warps, key splits (> 1: atomic adds, deterministic only at 2).
         block_h, num_splits, split_keys apply to the fused kernel only.
+        rope: (cos, sin) [B, r/2]: return RoPE_{-t}(o) (applied by the split combine or the two-pass
+        scheme's pass 2; by `norm_rope` after a one-split fused kernel); out_dtype: the output's
+        dtype (default fp32).
     Returns:
-        [B, H, D] fp32.
+        [B, H, D] out_dtype.
     """
     if kv_fmt.name not in _MAIN_FMT:
         raise FormatError(f"decode_attention reads main-entry formats {tuple(_MAIN_FMT)}, got {kv_fmt.name!r}")
@@ -250,10 +273,10 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     bsz, heads, dim = q.shape
     if dim != kv_fmt.dim or sinks.shape != (heads,):
         raise InputError(f"q must be [B, H, {kv_fmt.dim}] and sinks [H]; got {list(q.shape)}, {list(sinks.shape)}")
-    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
-    if bsz == 0:
-        return out
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
+    if bsz == 0:
+        return torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
     cuda = q.device.type == "cuda"
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
     ring = swa_pos.shape[1]
@@ -266,7 +289,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     bt = block_table if block_table is not None else swa_pos
     idx = indices if indices is not None else swa_pos
     nent = num_entries if num_entries is not None else request_slots
-    q = q.float().contiguous()
+    # bf16 operands: a bf16 q is the operand as is (no conversion kernels); else fp32
+    q = q.contiguous() if prec == 1 and q.dtype == torch.bfloat16 else q.float().contiguous()
     if two_pass is None:
         two_pass = _use_two_pass(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None)
     if two_pass:
@@ -274,6 +298,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         sms = sm_count(q.device) if cuda else 0
         splits = score_splits or (max(1, sms // bsz) if cuda else 2)   # one wave of pass-1 programs
         vsplits = value_splits or ((2 if bsz * (nch * 64 // (value_block_d or vdv)) < sms else 1) if cuda else 2)
+        if vsplits == 1 and out_dtype is not None:     # one split stores: straight into out_dtype
+            out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
         tp.two_pass(out, q, sinks, (wkv, wrope, wsc, ckv, crope, csc),
                     (swa_pos, request_slots, positions, bt, idx, nent),
                     (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
@@ -283,8 +309,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                     prec=prec, native=cuda, block_n=score_block_n or sbn, warps=score_warps or swarps,
                     splits=splits, block_nv=value_block_n or vbn, block_dv=value_block_d or vdv,
                     warps_v=value_warps or vwarps, value_splits=vsplits,
-                    stages=num_stages or TWO_PASS_STAGES)
-        return out
+                    stages=num_stages or TWO_PASS_STAGES, rope=rope)
+        return out if out_dtype is None else out.to(out_dtype)
     bh, bn, warps = _attention_tiles(heads, nch, prec, cuda)
     if cuda and prec in (1, 2) and nch >= 8 and bsz * triton.cdiv(heads, bh) >= sm_count(q.device):
         bn, warps = 16, 4   # enough programs to fill the GPU: two 4-warp programs per SM hide more latency
@@ -313,14 +339,27 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
         num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
     note_compile("decode_attention", k)
-    if n_split > 1:
-        bhc = min(16, triton.next_power_of_2(heads))
-        bdc = 64 if cuda else nch * 64
-        _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
-            part, pml, sinks, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-            num_warps=4)
+    if n_split == 1:
+        return _finish(out, rope, out_dtype)
+    if out_dtype is not None and out_dtype != out.dtype:
+        out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
+    bhc, bdc = (4, 64) if cuda else (min(16, triton.next_power_of_2(heads)), nch * 64)
+    cos, sin = rope if rope is not None else (sinks, sinks)
+    _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
+        part, pml, sinks, cos.float().contiguous(), sin.float().contiguous(), out,
+        part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+        H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), SC=min(16, triton.next_power_of_2(n_split)),
+        BLOCK_H=bhc, D=dim, BLOCK_D=bdc, HALF_R=cos.shape[-1] if rope is not None else 0, ROPE=rope is not None,
+        num_warps=4)
     return out
+
+
+def _finish(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+            out_dtype: torch.dtype | None) -> torch.Tensor:
+    """The inverse rotation and output dtype, where no combine kernel applied them."""
+    if rope is not None:
+        return norm_rope(out, None, 0.0, *rope, normalize=False, inverse=True, out_dtype=out_dtype)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:

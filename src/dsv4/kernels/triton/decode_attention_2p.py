@@ -225,7 +225,7 @@ def _values_src(acc, m_f, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_r
 
 @triton.jit
 def _values_kernel(
-        sc_ptr_in, pml_ptr, sinks_ptr, out_ptr,
+        sc_ptr_in, pml_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr,
         wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
         ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr, nent_ptr,
         s_sb, s_sh, s_ob, s_oh,
@@ -233,11 +233,13 @@ def _values_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, ring_pad, window, epb, max_blocks, n_comp,
         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DV: tl.constexpr,
-        S: tl.constexpr, S_PAD: tl.constexpr, VS: tl.constexpr,
+        S: tl.constexpr, S_PAD: tl.constexpr, VS: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pass 2: out[b, :, slice] = sum_n 2^(s_n - M) v_n[slice] / L, M = max(m_s, sink) and
     L = sum_s 2^(m_s - M) l_s + 2^(sink - M) (the sink unscaled, as the reference). With VS > 1
-    key splits (grid axis 2, tiles round-robin as pass 1's) the splits add into a zeroed out."""
+    key splits (grid axis 2, tiles round-robin as pass 1's) the splits add into a zeroed out.
+    ROPE: the slice's channels in the trailing 2 HALF_R get the inverse rotation RoPE_{-t}
+    (interleaved pairs, as `norm_rope`; linear, so split partials may be rotated before adding)."""
     b = tl.program_id(0)
     c0 = tl.program_id(1) * (DV // 64)
     vs = tl.program_id(2)
@@ -264,20 +266,30 @@ def _values_kernel(
                           MODE, FMT, D, NOPE, DV, PREC, NATIVE, BLOCK_N)
     d = c0 * 64 + tl.arange(0, DV)[None, :]
     optr = out_ptr + b * s_ob + h[:, None] * s_oh + d
+    o = acc / den[:, None]
+    if ROPE:    # pairs (e, o) -> (e cos + o sin, o cos - e sin)
+        ev, od = tl.split(tl.reshape(o, [HP, DV // 2, 2]))
+        j = c0 * 32 + tl.arange(0, DV // 2) - (D // 2 - HALF_R)
+        rot = (j >= 0) & (j < HALF_R)
+        cs = tl.load(cos_ptr + b * HALF_R + j, mask=rot, other=1.0)[None, :]
+        sn = tl.load(sin_ptr + b * HALF_R + j, mask=rot, other=0.0)[None, :]
+        o = tl.reshape(tl.join(ev * cs + od * sn, od * cs - ev * sn), [HP, DV])
     if VS == 1:
-        tl.store(optr, acc / den[:, None], mask=hmask[:, None] & (d < D))
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (d < D))
     else:   # two splits add exactly (0 + a + b == 0 + b + a): deterministic for VS = 2
-        tl.atomic_add(optr, acc / den[:, None], mask=hmask[:, None] & (d < D), sem="relaxed")
+        tl.atomic_add(optr, o, mask=hmask[:, None] & (d < D), sem="relaxed")
 
 
 def two_pass(out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor, keys: tuple, meta: tuple, strides: tuple,
              ring: int, window: int, epb: int, max_blocks: int, n_comp: int, qk_scale: float, *,
              dim: int, nope: int, nch: int, fmt: int, mode: int, prec: int, native: bool,
              block_n: int, warps: int, splits: int, block_nv: int, block_dv: int, warps_v: int,
-             value_splits: int, stages: int) -> None:
+             value_splits: int, stages: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Launch both passes. keys = (wkv, wrope, wsc, ckv, crope, csc); meta = (swa_pos, slots,
     positions, block_table, indices, num_entries); strides = the 12 (page, row) strides, swa_pos's,
-    the block table's and the indices' row strides, in the fused kernel's order."""
+    the block table's and the indices' row strides, in the fused kernel's order. rope = (cos, sin)
+    [B, r/2]: out gets the inverse rotation. out: fp32 where value_splits > 1 (atomic adds), else
+    any float dtype."""
     bsz, heads, _ = q.shape
     assert PAD % block_n == 0 and PAD % block_nv == 0 and block_dv % 64 == 0 and (nch * 64) % block_dv == 0
     ring_pad = triton.cdiv(ring, PAD) * PAD
@@ -297,11 +309,14 @@ def two_pass(out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor, keys: tupl
         BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     note_compile("decode_attention.scores", k)
     if value_splits > 1:
+        assert out.dtype == torch.float32, "value splits add into an fp32 out"
         out.zero_()
+    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (sinks, sinks)
     k = _values_kernel[(bsz, nch * 64 // block_dv, value_splits)](
-        scores, pml, sinks, out, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
+        scores, pml, sinks, out, cos, sin, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
         scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), *strides,
         ring, ring_pad, window, epb, max_blocks, n_comp,
         H=heads, HP=hp, D=dim, NOPE=nope, DV=block_dv, S=splits, S_PAD=triton.next_power_of_2(splits), VS=value_splits,
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None,
         FMT=fmt, MODE=mode, PREC=prec, NATIVE=native, BLOCK_N=block_nv, num_warps=warps_v, num_stages=stages)
     note_compile("decode_attention.values", k)
