@@ -97,6 +97,7 @@ def main() -> int:
     from dsv4.bench import setup as bs
     from dsv4.bench.common import LAYER_INDEX, bench_config
     from dsv4.kernels.triton import decode_attention as att
+    from dsv4.kernels.triton import decode_attention_2p as tp
     from dsv4.kernels.triton import indexer_scan as scn
     from dsv4.kernels.triton import indexer_scores as sc
     from dsv4.kernels.triton import topk
@@ -139,6 +140,13 @@ def main() -> int:
                 report(f"attention {kind} block_h={bh} block_n={bn} warps={w}", att, "_decode_attn_kernel",
                        lambda bh=bh, bn=bn, w=w, aargs=aargs: att.decode_attention(
                            *aargs, block_h=bh, block_n=bn, num_warps=w, num_splits=1, precision="bf16"))
+            rope = (torch.rand(2, 32), torch.rand(2, 32))
+            for r, dt in ((None, None), (rope, torch.bfloat16)):
+                with captured(tp, "_scores_kernel"):            # pass 1 launches first: intercepted too
+                    report(f"two-pass values {kind} rope={r is not None} out={dt}", tp, "_values_kernel",
+                           lambda aargs=aargs, r=r, dt=dt: att.decode_attention(
+                               *aargs, two_pass=True, score_block_n=32, score_warps=8, value_block_n=32,
+                               value_block_d=128, value_warps=4, value_splits=1, rope=r, out_dtype=dt))
     if "topk" in which:
         s = torch.randn(2, 40000)
         for blk, w in [(16384, 16), (16384, 8), (8192, 16), (8192, 8), (4096, 8)]:
