@@ -230,12 +230,12 @@ def test_attention_real_dims_64_heads():
 
 
 @pytest.mark.parametrize("knobs", [{}, {"two_pass": True, "value_splits": 1}, {"num_splits": 1}, {"num_splits": 3},
-                                   {"num_splits": 18}],
+                                   {"num_splits": 11}],
                          ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-2-trips"])
 def test_attention_inverse_rope_bf16(knobs):
     """rope=(cos, sin), out_dtype=bf16 and a bf16 q: the two-pass scheme's pass 2 rotates (two value
-    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (18 splits:
-    two trips of 16, the second part-masked); a one-split fused kernel hands over to norm_rope."""
+    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (11 splits:
+    two trips of 8, the second part-masked); a one-split fused kernel hands over to norm_rope."""
     args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=160))
     g = torch.Generator().manual_seed(7)
     ang = torch.rand(len(REAL_LENS), 32, generator=g).to(DEVICE) * 6.3
@@ -258,7 +258,7 @@ def test_attention_64_heads_long(kv_format, layer):
     args = attention_args("real", kv_format, layer, 64, lens, topk=512)
     tol = TOL["ieee" if kv_format == "fp32" else "bf16"]
     close(tri.decode_attention(*args), ref.decode_attention(*args), tol)
-    for splits in (1, 7, 11, 40):            # 40: the combine's third trip of 16 splits, part-masked
+    for splits in (1, 7, 11, 40):            # 11: the combine's second trip of 8 splits, part-masked
         close(tri.decode_attention(*args, num_splits=splits), ref.decode_attention(*args), tol)
     g = torch.Generator().manual_seed(layer)
     ang = torch.rand(len(lens), 32, generator=g).to(DEVICE) * 6.3

@@ -187,15 +187,16 @@ def _decode_attn_kernel(
 
 @triton.jit
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
-                    H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, SC: tl.constexpr, BLOCK_H: tl.constexpr,
+                    H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
     ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
-    as `norm_rope`), so the layer's separate pass over the output is not needed. Stored in out's dtype.
+    as `norm_rope`), so the layer needs no separate pass over the output. Stored in out's dtype.
 
-    Program (b, head block, channel block); the partials of SC splits are one [SC, heads, channels]
-    load, so every split's load is in flight at once (the splits are an unrolled static loop). A
-    rotated channel d also sums its partner d ^ 1 (a second load of the same rows)."""
+    Program (b, head block, 64-channel block); eight splits' loads per trip are in flight together
+    (one load per trip over whole rows left B = 1 with 4 programs waiting on each split in turn;
+    4-head programs loading every split at once were slower: B = 1 CSA 23.4 vs 19.8 µs). A rotated
+    channel d also sums its partner d ^ 1 (a second load of the same rows)."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -205,16 +206,15 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
     rot = dmask & (d >= D - 2 * HALF_R)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     acc_p = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in tl.static_range(0, S, SC):
-        si = s0 + tl.arange(0, SC)
-        ok = (si < S)[:, None] & hmask[None, :]
-        m_s = tl.load(pml_ptr + ((b * S + si[:, None]) * H + h[None, :]) * 2, mask=ok, other=float("-inf"))
-        wgt = tl.exp2(m_s - m_f[None, :])[:, :, None]
-        row = part_ptr + b * s_pb + si[:, None, None] * s_ps + h[None, :, None] * s_ph
-        acc += tl.sum(wgt * tl.load(row + d[None, None, :], mask=ok[:, :, None] & dmask[None, None, :], other=0.0), 0)
-        if ROPE:
-            partner = tl.load(row + (d ^ 1)[None, None, :], mask=ok[:, :, None] & rot[None, None, :], other=0.0)
-            acc_p += tl.sum(wgt * partner, 0)
+    for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
+        for u in tl.static_range(8):
+            si = s0 + u
+            ok = hmask & (si + 0 * h < S)
+            wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
+            row = part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph
+            acc += wgt[:, None] * tl.load(row + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+            if ROPE:
+                acc_p += wgt[:, None] * tl.load(row + (d ^ 1)[None, :], mask=ok[:, None] & rot[None, :], other=0.0)
     o = acc / den[:, None]
     if ROPE:    # inverse rotation of pair (e, o): e' = e cos + o sin, o' = o cos - e sin
         j = d // 2 - (D // 2 - HALF_R)
@@ -343,14 +343,13 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         return _finish(out, rope, out_dtype)
     if out_dtype is not None and out_dtype != out.dtype:
         out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
-    bhc, bdc = (4, 64) if cuda else (min(16, triton.next_power_of_2(heads)), nch * 64)
+    bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
     cos, sin = rope if rope is not None else (sinks, sinks)
     _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
         part, pml, sinks, cos.float().contiguous(), sin.float().contiguous(), out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-        H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), SC=min(16, triton.next_power_of_2(n_split)),
-        BLOCK_H=bhc, D=dim, BLOCK_D=bdc, HALF_R=cos.shape[-1] if rope is not None else 0, ROPE=rope is not None,
-        num_warps=4)
+        H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
+        HALF_R=cos.shape[-1] if rope is not None else 0, ROPE=rope is not None, num_warps=4)
     return out
 
 
