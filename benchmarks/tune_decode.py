@@ -110,7 +110,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
                 dict(precision="bf16", block_n=128)]
     return [{}, dict(num_stages=3, split_keys=256), dict(split_keys=256), dict(split_keys=32),
-            dict(block_n=16, num_warps=4)] + ([dict(num_splits=16, block_n=16)] if small else [])
+            dict(block_n=16, num_warps=4)] + ([dict(num_splits=16, block_n=16), dict(block_n=64),
+                                               dict(block_n=64, split_keys=128)] if small else [])
 
 
 def scan_variants(batch: int) -> list[dict[str, Any]]:
