@@ -364,11 +364,12 @@ def _finish(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
 def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
     """Default (BLOCK_H, BLOCK_N, num_warps) of decode_attention.
 
-    From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads x 32 keys and 8 warps is the
-    largest tile without spills (255 registers: K tile 32 KB bf16 + acc 16 x 512 fp32); 32 or 64
-    heads per program spill. With enough (request, head block) programs to fill the GPU the caller
-    switches to 16 keys x 4 warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it
-    loses: 29 vs 23 µs). The fp32 FMA dots of "ieee"/"tf32x3" spill at D 512 for any tile
+    From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads and 8 warps fit without spills
+    at 32 keys (218 registers) and at 64 keys (221, 148 KB shared memory); 32 or 64 heads per
+    program spill. 64 keys measured faster at B = 1 (H200, 128K, one run: CSA 21.1 vs 24.1 µs, HCA
+    24.8 vs 27.2; each split is then one or two tiles). With enough (request, head block) programs
+    to fill the GPU the caller switches to 16 keys x 4 warps (H200, B = 64: CSA 190 µs vs 210, HCA
+    303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots of "ieee"/"tf32x3" spill at D 512 for any tile
     (validation formats: correct, slow). The CPU interpreter wants few, small tiles.
     From 8 requests of 64 heads the two-pass scheme replaces this kernel (`_use_two_pass`): its
     64 heads per program dequantise each key once instead of 4 times, 2x faster at B = 64.
@@ -378,7 +379,7 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     if prec in (0, 3):
         return 16, 16, 8
     if nch >= 8:
-        return 16, 32, 8
+        return 16, 64, 8
     return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
 
 
