@@ -378,8 +378,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
     if prec in (0, 3):
         return 16, 16, 8
-    if nch >= 8:
-        return 16, 64, 8
+    if nch >= 8:                    # bf16x2 (q hi + lo) keeps 32 keys: its extra operand needs the registers
+        return (16, 64, 8) if prec == 1 else (16, 32, 8)
     return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
 
 
