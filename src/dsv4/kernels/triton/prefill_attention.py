@@ -160,12 +160,14 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
 
 
 def _prefill_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
-    """Default (BLOCK_H, BLOCK_N, num_warps): decode_attention's fused-kernel tiles; bf16 operands
-    at D 512 on CUDA are 64-key tiles there too (more gathered rows in flight per trip; the kernel
+    """Default (BLOCK_H, BLOCK_N, num_warps): decode_attention's fused-kernel tiles, except bf16
+    operands at D 512 on CUDA take 64-key tiles (more gathered rows in flight per trip; the kernel
     is latency-bound at one 8-warp program per SM). H200, Triton 3.6, an 8K chunk after 24K cached,
     fp8_ds, 64 heads (`benchmarks/tune_decode.py --prefill-attention`): CSA 13.6 ms vs 19.2 at 32
     keys and 16.4 at 16 keys x 4 warps; HCA 8.9 vs 11.1 / 9.2; 32 or 64 heads per program spill.
     """
+    if cuda and prec == 1 and nch >= 8:
+        return 16, 64, 8
     return _attention_tiles(heads, nch, prec, cuda)
 
 
