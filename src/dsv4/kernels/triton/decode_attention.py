@@ -212,7 +212,9 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
             ok = hmask & (si + 0 * h < S)
             wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
             row = part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph
-            acc += wgt[:, None] * tl.load(row + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+            # no channel mask: the partials are padded to NCH * 64 channels (a per-channel mask cost
+            # ~4 µs at B = 1, H200)
+            acc += wgt[:, None] * tl.load(row + d[None, :], mask=ok[:, None], other=0.0)
             if ROPE:
                 acc_p += wgt[:, None] * tl.load(row + (d ^ 1)[None, :], mask=ok[:, None] & rot[None, :], other=0.0)
     o = acc / den[:, None]
@@ -366,9 +368,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
 
     From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads and 8 warps fit without spills
     at 32 keys (218 registers) and at 64 keys (221, 148 KB shared memory); 32 or 64 heads per
-    program spill. 64 keys: faster in tune_decode's timing (CSA 21.1 vs 24.1 µs, HCA 24.8 vs 27.2)
-    but slower in `dsv4 bench`, old and new code alternating on one H200 (attention CSA 20.5-21.1
-    vs 20.0, HCA 24.8-25.1 vs 22.4; the HCA layer 122.7 vs 118.9): 32 stays. With enough
+    program spill. 64 keys measured faster at B = 1 (H200, tune_decode: CSA 21.1 vs 24.1 µs, HCA
+    24.8 vs 27.2; `dsv4 bench` attention HCA 24.8-25.1 vs 27.3-27.4, same combine). With enough
     (request, head block) programs to fill the GPU the caller switches to 16 keys x 4 warps (H200,
     B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
@@ -380,8 +381,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
     if prec in (0, 3):
         return 16, 16, 8
-    if nch >= 8:
-        return 16, 32, 8
+    if nch >= 8:                    # bf16x2 (q hi + lo) keeps 32 keys: its extra operand needs the registers
+        return (16, 64, 8) if prec == 1 else (16, 32, 8)
     return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
 
 
