@@ -368,8 +368,10 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
 
     From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads and 8 warps fit without spills
     at 32 keys (218 registers) and at 64 keys (221, 148 KB shared memory); 32 or 64 heads per
-    program spill. 64 keys measured faster at B = 1 (H200, tune_decode: CSA 21.1 vs 24.1 µs, HCA
-    24.8 vs 27.2; `dsv4 bench` attention HCA 24.8-25.1 vs 27.3-27.4, same combine). With enough
+    program spill. 64 keys: faster in tune_decode (CSA 21.1 vs 24.1 µs, HCA 24.8 vs 27.2) but in
+    `dsv4 bench`, the session's first code and this alternating on one H200, the HCA attention at
+    B = 1 took 24.7-24.8 µs vs 22.2-22.7 at 32 keys (the layer 122.0 vs 119.3; CSA unchanged): 32
+    stays. With enough
     (request, head block) programs to fill the GPU the caller switches to 16 keys x 4 warps (H200,
     B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
@@ -381,8 +383,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
     if prec in (0, 3):
         return 16, 16, 8
-    if nch >= 8:                    # bf16x2 (q hi + lo) keeps 32 keys: its extra operand needs the registers
-        return (16, 64, 8) if prec == 1 else (16, 32, 8)
+    if nch >= 8:
+        return 16, 32, 8
     return max(16, min(64, triton.next_power_of_2(heads))), 32, 4
 
 
