@@ -346,12 +346,13 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     if out_dtype is not None and out_dtype != out.dtype:
         out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
-    cos, sin = rope if rope is not None else (sinks, sinks)
+    # without rope, any fp32 tensor stands in for cos / sin (never read): no conversion kernel
+    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
     _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
-        part, pml, sinks, cos.float().contiguous(), sin.float().contiguous(), out,
+        part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=cos.shape[-1] if rope is not None else 0, ROPE=rope is not None, num_warps=4)
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, num_warps=4)
     return out
 
 

@@ -311,7 +311,7 @@ def two_pass(out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor, keys: tupl
     if value_splits > 1:
         assert out.dtype == torch.float32, "value splits add into an fp32 out"
         out.zero_()
-    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (sinks, sinks)
+    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)   # unread stand-ins
     k = _values_kernel[(bsz, nch * 64 // block_dv, value_splits)](
         scores, pml, sinks, out, cos, sin, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
         scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), *strides,
