@@ -1,7 +1,7 @@
 """Per-kernel device time of one decode step of each layer and of one prefill chunk's compression
 (CUDA only): where the time of a step goes, kernel by kernel.
 
-    python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192]
+    python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)]
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
 (`dsv4.bench.setup.build_decode_state`); prefill: compress_layer (state update on the bf16
@@ -23,7 +23,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsv4.bench import setup as bench_setup
 from dsv4.bench.common import LAYER_INDEX, bench_config
-from dsv4.bench.prefill import compress_flush
 from dsv4.cache.manager import KVCacheManager
 from dsv4.kernels.dispatch import ops_for
 
@@ -76,7 +75,7 @@ def main() -> None:
             st = None
             torch.cuda.empty_cache()
         n = args.chunk
-        for kind, li in LAYER_INDEX.items():
+        for kind, li in LAYER_INDEX.items() if n else ():
             mgr = KVCacheManager(cfg, max_requests=1, num_blocks=64, device=DEV, kv_format="fp8_ds",
                                  indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=n)
             mgr.add_request("r")
@@ -87,6 +86,8 @@ def main() -> None:
             proj = {"c": comp.kv_proj(x), "z": comp.gate_proj(x)}
             if comp.overlap:
                 proj.update(ic=comp.indexer.kv_proj(x), iz=comp.indexer.gate_proj(x))
+
+            from dsv4.bench.prefill import compress_flush  # here: older trees (A/B runs) lack it
 
             def chunk(proj=proj, b=b, mgr=mgr, li=li, blk=blocks[kind]) -> None:
                 compress_flush(blk, proj, b, mgr, li, ops)

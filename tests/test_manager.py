@@ -313,6 +313,10 @@ def test_forward_batch_worked_example():
     assert torch.equal(batch.seq_lens, torch.tensor([37, 301], **i32))
     assert torch.equal(batch.block_lens, torch.tensor([1, 2], **i32))
     assert torch.equal(batch.request_slots, torch.tensor([0, 1], **i32))
+    # seq_len // m for the model's two compression ratios, filled on the host
+    assert sorted(batch.visible_entries) == [4, 128]
+    assert torch.equal(batch.visible_entries[4], torch.tensor([9, 75], **i32))
+    assert torch.equal(batch.visible_entries[128], torch.tensor([0, 2], **i32))
     width = mgr.max_blocks_per_request
     assert width == 4096                             # 2^20 tokens / 256
     table = torch.full((2, width), -1, **i32)
@@ -329,6 +333,7 @@ def test_forward_batch_worked_example():
     batch = mgr.prepare_forward({"b": 1})
     assert batch.positions.tolist() == [301] and batch.token_request.tolist() == [0]
     assert batch.cu_seqlens.tolist() == [0, 1] and batch.request_slots.tolist() == [1]
+    assert batch.visible_entries[4].tolist() == [75] and batch.visible_entries[128].tolist() == [2]
     assert batch.block_table.shape == (1, width) and batch.block_table[0, :3].tolist() == [1, 2, -1]
     assert batch.is_decode
 

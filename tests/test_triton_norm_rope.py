@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from dsv4.attention.layers import RMSNorm, rms_unweighted
+from dsv4.errors import InputError
+from dsv4.kernels.reference import quant
 from dsv4.kernels.reference.norm_rope import norm_rope as ref
 from dsv4.kernels.reference.norm_rope import rope_cos_sin as ref_cos_sin
 from dsv4.kernels.triton.norm_rope import norm_rope as tri
@@ -42,6 +44,25 @@ def test_triton_matches_reference(device, shape, mode, dtype):
         # fp32 math in both; they differ only by summation order and FMA contraction
         tol = 2e-6 if a.dtype == torch.float32 else 2 ** -8
         torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol * a.float().abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(5, 128), (3, 64, 128), (7, 5, 128), (2, 3, 64)])
+def test_hadamard_queries(device, shape):
+    """hadamard=True (the indexer queries' stored basis): RoPE, then each row times H_D, as the
+    reference's butterfly; the reference equals RoPE followed by the Hadamard matmul."""
+    x = (torch.randn(*shape, device=device) * 3).to(torch.bfloat16)     # a bf16 projection, read in place
+    cos, sin = _angles(shape[0], 32, device)
+    kw = dict(normalize=False, out_dtype=torch.float32)
+    a = ref(x, None, 0.0, cos, sin, hadamard=True, **kw)
+    b = tri(x, None, 0.0, cos, sin, hadamard=True, **kw)
+    roped = ref(x, None, 0.0, cos, sin, **kw)
+    tol = 2e-6 * a.abs().max().item()
+    torch.testing.assert_close(b, a, rtol=2e-6, atol=tol)
+    torch.testing.assert_close(a, roped @ quant.hadamard_matrix(shape[-1], device), rtol=1e-5, atol=tol)
+    assert not torch.allclose(a, roped, atol=tol)                  # the rotation happened
+    with pytest.raises(InputError):
+        tri(torch.randn(3, 96, device=device), None, 0.0, cos[:3], sin[:3], hadamard=True, **kw)
 
 
 @pytest.mark.parametrize("shape", [(5, 128), (3, 4, 512)])

@@ -97,8 +97,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     max_entries = 0
     if comp is not None:
         max_entries = b.seq_len_bound // sch.compress_ratio
-        # on the main branch: at B = 1 the side branch is about as long as this one
-        num_entries = b.seq_lens // sch.compress_ratio
+        num_entries = b.visible_entries[sch.compress_ratio]       # filled by prepare_forward: no kernel
     if side is not None:
         main.wait_stream(side)
 

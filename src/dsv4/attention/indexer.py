@@ -40,8 +40,8 @@ class Indexer(Compressor):
         """Queries [T, H_I, D_I] fp32 in the keys' stored basis from iq = q_b_proj(q_res) [T, H_I*D_I]
         (the layer computes it with its own q_b_proj in one GEMM); cos/sin [T, r/2] of the tokens."""
         q = iq.view(iq.shape[0], self.heads, self.dim)
-        q = ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32)
-        return fmt.to_stored_basis(q)
+        # the stored basis (Hadamard-rotated E2M1 / fp8 keys) in the same kernel as the rotation
+        return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32, hadamard=fmt.hadamard)
 
     def weights(self, w: torch.Tensor) -> torch.Tensor:
         """g = weights_proj(x) * H_I^-1/2 [T, H_I] fp32, from w = weights_proj(x)."""

@@ -38,8 +38,11 @@ def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups
     t = o.shape[0]
     x = o.reshape(t, groups, -1).transpose(0, 1)                 # [G, T, H*D/G]
     wa = w_a.view(groups, -1, w_a.shape[-1])                     # [G, R_o, H*D/G]
-    y = torch.bmm(x, wa.transpose(1, 2)).transpose(0, 1)         # [T, G, R_o]
-    return y.reshape(t, -1) @ w_b.t()
+    # each group's [T, R_o] product lands in its columns of y [T, G, R_o] (a strided batched GEMM
+    # output): no copy between the two GEMMs
+    y = torch.empty(t, groups, wa.shape[1], dtype=o.dtype, device=o.device)
+    torch.bmm(x, wa.transpose(1, 2), out=y.transpose(0, 1))
+    return y.view(t, -1) @ w_b.t()
 
 
 class FusedProjection:

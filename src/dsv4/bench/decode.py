@@ -133,7 +133,7 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device=dev, generator=gen)
     c, z = cz(comp)
     ereq = torch.arange(n, device=dev)
-    num_entries, max_entries = b.seq_lens // ratio, b.seq_len_bound // ratio
+    num_entries, max_entries = b.visible_entries[ratio], b.seq_len_bound // ratio
     fns: dict[str, Callable[[], Any]] = {}
     fns["append"] = lambda: ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions,
                                               b.token_request, b.request_slots, b.seq_lens)

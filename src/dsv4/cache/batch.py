@@ -10,6 +10,7 @@ next `prepare_forward`):
     request_slots  [B]          state-cache slot of each request
     block_table    [B, max_blocks]  physical block ids, -1 past block_lens
     block_lens     [B]          valid blocks per request
+    visible_entries {m: [B]}    seq_lens // m for each compression ratio m of the model
 
 Worked example: requests "a" (37 new tokens, none before) and "b" (1 new token after 300),
 tokens_per_block 256, m = 4:
@@ -19,6 +20,7 @@ tokens_per_block 256, m = 4:
     cu_seqlens     = [0, 37, 38]
     seq_lens       = [37, 301]
     block_lens     = [1, 2]      a: entries 0..8 -> block 0 of a; b: entries 0..74 -> 2 blocks
+    visible_entries[4] = [9, 75]
 
 The same numbers are kept on the host (`*_host` tuples) for planning and reference code.
 """
@@ -48,6 +50,7 @@ class ForwardBatch:
     block_lens_host: tuple[int, ...]
     # Static bound on seq_lens for fixed-shape (CUDA-graph) decode: a power of two >= max(seq_lens).
     seq_len_bound: int
+    visible_entries: dict[int, torch.Tensor]
 
     @property
     def num_tokens(self) -> int:

@@ -133,7 +133,7 @@ class EntryFormat:
 
     def to_stored_basis(self, q: torch.Tensor) -> torch.Tensor:
         """[..., dim] -> the basis `decode` returns keys in (identity unless `hadamard`)."""
-        return quant.hadamard_rotate(q.float()) if self.hadamard else q
+        return quant.fwht(q) if self.hadamard else q
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) with x's leading shape; what a reader of the cache sees."""

@@ -121,7 +121,7 @@ class LayerCacheHandle:
 
     def num_entries(self) -> torch.Tensor:
         """[B] finished entries per request after this step: seq_len // ratio."""
-        return self.batch.seq_lens // self.schema.compress_ratio
+        return self.batch.visible_entries[self.schema.compress_ratio]
 
     def max_entries(self) -> int:
         return max(s // self.schema.compress_ratio for s in self.batch.seq_lens_host)

@@ -134,6 +134,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ step planning
     def _alloc_buffers(self) -> None:
+        self._ratios = sorted({s.compress_ratio for s in self.schemas if s.compress_ratio})
         i32 = {"dtype": torch.int32}
         r, t, mb = self.max_requests, self.max_batch_tokens, self.max_blocks_per_request
         pin = self.device.type == "cuda"
@@ -142,6 +143,9 @@ class KVCacheManager:
             "cu_seqlens": torch.zeros(r + 1, **i32, pin_memory=pin), "seq_lens": torch.zeros(r, **i32, pin_memory=pin),
             "request_slots": torch.zeros(r, **i32, pin_memory=pin), "block_lens": torch.zeros(r, **i32, pin_memory=pin),
             "block_table": torch.full((r, mb), -1, **i32, pin_memory=pin),
+            # seq_len // m per compression ratio m of the model (row i: self._ratios[i]): a decode
+            # step reads them instead of running a division kernel per layer
+            "entries": torch.zeros(len(self._ratios), r, **i32, pin_memory=pin),
         }
         self._dev = {k: torch.empty_like(v, device=self.device) for k, v in self._host.items()}
         # The host->device copies are asynchronous: the next step may only rewrite the pinned host
@@ -205,6 +209,8 @@ class KVCacheManager:
             h["seq_lens"][b] = req.seq_len
             h["request_slots"][b] = req.slot
             h["block_lens"][b] = len(req.blocks)
+            for i, m in enumerate(self._ratios):
+                h["entries"][i, b] = req.seq_len // m
             if req.blocks:
                 h["block_table"][b, :len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
             qlens.append(n), slens.append(req.seq_len), slots.append(req.slot), blens.append(len(req.blocks))
@@ -214,12 +220,14 @@ class KVCacheManager:
         for k, n in sizes.items():
             self._dev[k][:n].copy_(h[k][:n], non_blocking=True)
             views[k] = self._dev[k][:n]
+        self._dev["entries"][:, :b_count].copy_(h["entries"][:, :b_count], non_blocking=True)
+        entries = {m: self._dev["entries"][i, :b_count] for i, m in enumerate(self._ratios)}
         if self._copied is not None:
             self._copied.record()
         bound = min(max(self.tokens_per_block, 1 << (max(slens) - 1).bit_length()),
                     self.max_blocks_per_request * self.tokens_per_block)
         return ForwardBatch(request_ids=tuple(new_tokens), tokens_per_block=self.tokens_per_block, **views,
-                            seq_len_bound=bound,
+                            seq_len_bound=bound, visible_entries=entries,
                             query_lens_host=tuple(qlens), seq_lens_host=tuple(slens), slots_host=tuple(slots),
                             block_lens_host=tuple(blens))
 

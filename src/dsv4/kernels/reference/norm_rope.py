@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.reference import quant
 from dsv4.model.rope import apply_rope
 
 
@@ -29,8 +30,10 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: int = 1
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
-              normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [N, D] or [N, H, D]; cos/sin [N, r/2] (one position per row of N). Returns out_dtype (x's by default)."""
+              normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None,
+              hadamard: bool = False) -> torch.Tensor:
+    """x [N, D] or [N, H, D]; cos/sin [N, r/2] (one position per row of N). Returns out_dtype (x's by
+    default). hadamard: then each row times H_D (`quant.fwht`; the indexer queries' stored basis)."""
     xf = x.float()
     if normalize:
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
@@ -38,4 +41,5 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
             xf = xf * weight.float()
     if x.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
-    return apply_rope(xf, cos, sin, inverse=inverse).to(out_dtype or x.dtype)
+    y = apply_rope(xf, cos, sin, inverse=inverse)
+    return (quant.fwht(y) if hadamard else y).to(out_dtype or x.dtype)

@@ -73,19 +73,12 @@ def hadamard_matrix(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _HADAMARD[key]
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] -> x @ H_n (fp32), the rotation DeepSeek applies before FP4 quantisation; one
-    matmul (queries: one kernel on the decode path). Stored keys use `fwht`, the same rotation
-    with a fixed order of operations."""
-    return x.float() @ hadamard_matrix(x.shape[-1], x.device)
-
-
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] -> x @ H_n (fp32) by the butterfly: stages h = 1, 2, 4, .. n/2 turn each pair
     (a, b) = (x[i], x[i + h]) (bit h of i clear) into (a + b, a - b), then one multiply by
     fp32(1/sqrt(n)). Every output is a fixed sequence of fp32 adds, so the result (and the
     cache bytes encoded from it) is the same on every device and inside a kernel, which a
-    matmul's BLAS-chosen summation order is not (`triton.encode._fwht` is its twin)."""
+    matmul's BLAS-chosen summation order is not (`triton.hadamard.fwht_rows` is its twin)."""
     n = x.shape[-1]
     assert n > 0 and n & (n - 1) == 0, "Hadamard size must be a power of two"
     lead = x.shape[:-1]

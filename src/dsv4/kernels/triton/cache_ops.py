@@ -19,8 +19,6 @@ each view's base pointer and its (page, row) strides.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +26,7 @@ import triton.language as tl
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
 from dsv4.kernels.triton.encode import _FORMAT_ID, _encode_row
+from dsv4.kernels.triton.hadamard import fwht_constants
 
 Views = dict[str, torch.Tensor]
 
@@ -158,12 +157,7 @@ def _format_meta(fmt: EntryFormat) -> dict[str, int]:
         raise FormatError(f"the Triton cache writes rotate only power-of-two indexer rows, not {fmt.name}-{fmt.dim}")
     return {"FMT": fid, "D": fmt.dim, "D_P2": _p2(fmt.dim), "ROPE": fmt.rope_dim,
             "ROPE_P2": _p2(fmt.rope_dim), "SB": sb, "SB_P2": _p2(sb), "HAD": fmt.hadamard,
-            "LOG_D": fmt.dim.bit_length() - 1, "HSCALE": _fp32(1.0 / math.sqrt(fmt.dim))}
-
-
-def _fp32(v: float) -> float:
-    """v rounded to fp32 (the butterfly's scale, as the reference's fp32 multiply uses it)."""
-    return float(torch.tensor(v, dtype=torch.float32))
+            **fwht_constants(fmt.dim)}
 
 
 def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:

@@ -31,7 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.kernels.triton.decode_common import dot_prec, locate, note_compile, split_operand, split_stats
+from dsv4.kernels.triton.decode_common import (
+    dot_prec,
+    inverse_rope,
+    locate,
+    note_compile,
+    split_operand,
+    split_stats,
+)
 
 _FP8_DS: tl.constexpr = tl.constexpr(2)
 #: scores rows are laid out as [window ring padded to PAD | compressed entries padded to PAD]
@@ -267,13 +274,8 @@ def _values_kernel(
     d = c0 * 64 + tl.arange(0, DV)[None, :]
     optr = out_ptr + b * s_ob + h[:, None] * s_oh + d
     o = acc / den[:, None]
-    if ROPE:    # pairs (e, o) -> (e cos + o sin, o cos - e sin)
-        ev, od = tl.split(tl.reshape(o, [HP, DV // 2, 2]))
-        j = c0 * 32 + tl.arange(0, DV // 2) - (D // 2 - HALF_R)
-        rot = (j >= 0) & (j < HALF_R)
-        cs = tl.load(cos_ptr + b * HALF_R + j, mask=rot, other=1.0)[None, :]
-        sn = tl.load(sin_ptr + b * HALF_R + j, mask=rot, other=0.0)[None, :]
-        o = tl.reshape(tl.join(ev * cs + od * sn, od * cs - ev * sn), [HP, DV])
+    if ROPE:
+        o = inverse_rope(o, b, c0 * 64, cos_ptr, sin_ptr, HP, DV, D, HALF_R)
     if VS == 1:
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (d < D))
     else:   # two splits add exactly (0 + a + b == 0 + b + a): deterministic for VS = 2

@@ -82,6 +82,21 @@ def split_stats(pml_ptr, sinks_ptr, b, h, hmask, H: tl.constexpr, S: tl.constexp
 
 
 @triton.jit
+def inverse_rope(o, b, d0, cos_ptr, sin_ptr, ROWS: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr,
+                 HALF_R: tl.constexpr):
+    """RoPE_{-t} of request b's [ROWS, WIDTH] tile o of channels d0 .. d0 + WIDTH (d0 even): the pairs
+    (e, o) among the trailing 2 HALF_R of D channels (interleaved, as `norm_rope`) become
+    (e cos + o sin, o cos - e sin); cos, sin [B, HALF_R]. The pairs are split in registers, so no
+    partner channel is loaded twice."""
+    ev, od = tl.split(tl.reshape(o, [ROWS, WIDTH // 2, 2]))
+    j = d0 // 2 + tl.arange(0, WIDTH // 2) - (D // 2 - HALF_R)
+    rot = (j >= 0) & (j < HALF_R)
+    cs = tl.load(cos_ptr + b * HALF_R + j, mask=rot, other=1.0)[None, :]
+    sn = tl.load(sin_ptr + b * HALF_R + j, mask=rot, other=0.0)[None, :]
+    return tl.reshape(tl.join(ev * cs + od * sn, od * cs - ev * sn), [ROWS, WIDTH])
+
+
+@triton.jit
 def locate(bt_row, w, valid, epb, max_blocks):
     """Entry indices w [N] -> (physical block int64, row), as the reference: masked -> block 0."""
     wc = tl.maximum(w, 0)

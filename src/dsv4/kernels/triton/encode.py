@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.hadamard import fwht_rows
+
 # Format ids (constexpr in the kernels); the indexer's bf16_i / fp32_i store like bf16 / fp32.
 _FP8_DS, _BF16, _FP32, _MXFP4, _FP8, _NVFP4 = range(6)
 _FORMAT_ID = {"fp8_ds": _FP8_DS, "bf16": _BF16, "bf16_i": _BF16, "fp32": _FP32, "fp32_i": _FP32,
@@ -204,24 +206,6 @@ def _encode_nvfp4(x, d_row, s_row, g_row, ok, D: tl.constexpr):
 
 
 @triton.jit
-def _butterfly(x, N: tl.constexpr, H: tl.constexpr):
-    """One stage of `_fwht`: pairs (a, b) = (x[i], x[i + H]), bit H of i clear -> (a + b, a - b)."""
-    pairs = tl.permute(tl.reshape(x, (N // (2 * H), 2, H)), (0, 2, 1))        # [.., H, 2]: (a, b) last
-    a, b = tl.split(pairs)
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
-
-
-@triton.jit
-def _fwht(x, N: tl.constexpr, LOG_N: tl.constexpr, SCALE: tl.constexpr):
-    """x [N] fp32 -> x @ H_N: the butterfly of `reference.quant.fwht`, the same fp32 adds in the
-    same order (stages H = 1, 2, 4, ..), then one multiply by SCALE = fp32(1/sqrt(N)): bit for
-    bit the reference's result."""
-    for s in tl.static_range(LOG_N):
-        x = _butterfly(x, N, 1 << s)
-    return x * SCALE
-
-
-@triton.jit
 def _encode_row(x_ptr, xs, r0, r1, r2, ok, FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
                 ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SB: tl.constexpr, SB_P2: tl.constexpr,
                 HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr):
@@ -242,7 +226,7 @@ def _encode_row(x_ptr, xs, r0, r1, r2, ok, FMT: tl.constexpr, D: tl.constexpr, D
         k = tl.arange(0, D)
         x = tl.load(x_ptr + k * xs, mask=k < D * ok, other=0.0).to(tl.float32)
         if HAD:
-            x = _fwht(x, D, LOG_D, HSCALE)
+            x = tl.reshape(fwht_rows(tl.reshape(x, (1, D)), 1, D, LOG_D, HSCALE), (D,))
         if FMT == 3:
             _encode_mxfp4(x, r0, r1, ok, D)
         elif FMT == 4:
