@@ -230,13 +230,15 @@ def test_attention_real_dims_64_heads():
 
 
 @pytest.mark.parametrize("knobs", [{}, {"two_pass": True, "value_splits": 1}, {"num_splits": 1}, {"num_splits": 3},
-                                   {"num_splits": 11}],
-                         ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-2-trips"])
+                                   {"num_splits": 11}, {"num_splits": 37, "topk": 512}],
+                         ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-11", "combine-trips"])
 def test_attention_inverse_rope_bf16(knobs):
     """rope=(cos, sin), out_dtype=bf16 and a bf16 q: the two-pass scheme's pass 2 rotates (two value
-    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (11 splits:
-    two trips of 8, the second part-masked); a one-split fused kernel hands over to norm_rope."""
-    args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=160))
+    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (up to 32
+    splits all loaded at once; 37: trips of 8, the last part-masked); a one-split fused kernel
+    hands over to norm_rope."""
+    knobs = dict(knobs)
+    args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=knobs.pop("topk", 160)))
     g = torch.Generator().manual_seed(7)
     ang = torch.rand(len(REAL_LENS), 32, generator=g).to(DEVICE) * 6.3
     rope = (ang.cos(), ang.sin())

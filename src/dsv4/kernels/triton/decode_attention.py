@@ -189,16 +189,20 @@ def _decode_attn_kernel(
 @triton.jit
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
                     H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
+                    UNROLL: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
     ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
     as `norm_rope`), so the layer needs no separate pass over the output. Stored in out's dtype.
 
-    Program (b, head block, 64-channel block); eight splits' loads per trip are in flight together
-    (one load per trip over whole rows left B = 1 with 4 programs waiting on each split in turn;
-    4-head programs loading every split at once were slower: B = 1 CSA 23.4 vs 19.8 µs). The
-    rotation pairs channels in registers after the sum (`inverse_rope`): loading each rotated
-    channel's partner d ^ 1 in the loop instead took the combine from 3.6 to 8.2 µs (CSA, B = 1)."""
+    Program (b, head block, 64-channel block). UNROLL (S <= 32): every split's load is issued at
+    once (a static loop), else eight splits' loads are in flight per trip (one load per trip left
+    B = 1 with 4 programs waiting on each split in turn). H200, B = 1, 128K, profile: unrolled with
+    8-head programs (small grids) the combine takes CSA 2.4 / HCA 3.9 µs, vs 4.4 / 7.7 µs in trips
+    of 8 over 16-head programs (3.3 / 5.7 unrolled at 16 heads); 4-head programs with a
+    [16 splits, 4, 64] tile were slower still. The rotation pairs channels in registers after the
+    sum (`inverse_rope`): loading each rotated channel's partner d ^ 1 in the loop instead took the
+    combine from 3.6 to 8.2 µs (CSA, B = 1)."""
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -206,16 +210,23 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
     d0 = tl.program_id(2) * BLOCK_D
     d = d0 + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
-        for u in tl.static_range(8):
-            si = s0 + u
-            ok = hmask & (si + 0 * h < S)
-            wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
-            # no channel mask: the partials are padded to NCH * 64 channels (a per-channel mask cost
-            # ~4 µs at B = 1, H200)
-            part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d[None, :], mask=ok[:, None],
+    if UNROLL:
+        for si in tl.static_range(S):
+            wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=hmask, other=float("-inf")) - m_f)
+            part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d[None, :], mask=hmask[:, None],
                            other=0.0)
             acc += wgt[:, None] * part
+    else:
+        for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
+            for u in tl.static_range(8):
+                si = s0 + u
+                ok = hmask & (si + 0 * h < S)
+                wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
+                # no channel mask: the partials are padded to NCH * 64 channels (a per-channel mask cost
+                # ~4 µs at B = 1, H200)
+                part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d[None, :], mask=ok[:, None],
+                               other=0.0)
+                acc += wgt[:, None] * part
     o = acc / den[:, None]
     if ROPE:
         o = inverse_rope(o, b, d0, cos_ptr, sin_ptr, BLOCK_H, BLOCK_D, D, HALF_R)
@@ -341,13 +352,15 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     if out_dtype is not None and out_dtype != out.dtype:
         out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
+    if cuda and bsz * triton.cdiv(heads, bhc) * nch < sm_count(q.device):
+        bhc = min(8, bhc)           # a grid smaller than the GPU: more, smaller programs
     # without rope, any fp32 tensor stands in for cos / sin (never read): no conversion kernel
     cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
     _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
         part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, num_warps=4)
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32, num_warps=4)
     return out
 
 
