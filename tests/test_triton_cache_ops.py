@@ -30,7 +30,10 @@ from dsv4.cache.formats import EntryFormat, indexer_format, main_format
 from dsv4.errors import FormatError
 from dsv4.kernels.reference import cache_ops as ref
 from dsv4.kernels.reference import decode as ref_decode
+from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
 from dsv4.kernels.triton import cache_ops as tri
+from dsv4.model.config import DSV4Config
+from dsv4.model.rope import RopeTable
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICES = [pytest.param(DEVICE, id=DEVICE)]
@@ -100,6 +103,52 @@ def test_write_entries_matches_reference_bytes(fmt: EntryFormat, device: str):
         eidx[3] = -1  # keep a padding row in the short D=512 batch too
     _, a, b = _write_both(fmt, rows, ereq, eidx, block_table, epb, nblocks=7)
     _assert_bytes_equal(a, b, f"{fmt.name} pages")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", [main_format("fp8_ds", 512, 64), main_format("bf16", 512, 64),
+                                 main_format("fp32", 512, 64), indexer_format("mxfp4", 128),
+                                 indexer_format("fp8", 128), indexer_format("fp32", 128)], ids=_fid)
+def test_write_entries_finish(fmt: EntryFormat, device: str):
+    """finish=: raw compressor entries get kv_norm and RoPE at w*m inside the write. The reference
+    applies `finish_entries` and writes (equal to the unfused path by construction); the kernel's
+    fused fp32 arithmetic may round an ulp differently (on GPUs its sqrt and division too), so its
+    pages decode to the reference's within a quantisation step and almost all bytes of the
+    quantised formats agree. Positions past 2^17 (w * m) too."""
+    epb, n = 4, 6
+    g = torch.Generator().manual_seed(fmt.dim + len(fmt.name))
+    rows = (torch.randn(n, fmt.dim, generator=g) * torch.exp(torch.randn(n, 1, generator=g))).to(device)
+    rope = RopeTable.for_layer(DSV4Config.flash(), compressed=True)
+    weight = (torch.rand(fmt.dim, generator=g) + 0.5).to(device)
+    fin = EntryFinish(weight, 1e-6, rope.inv_freq_on(torch.device(device)), 4)
+    block_table = torch.tensor([[3, 1, 5], [2, 4, -1]], dtype=torch.int32, device=device)
+    ereq = torch.tensor([0, 1, 0, 1, 0, 1], device=device)
+    eidx = torch.tensor([3, 4, 9, 0, -1, 5], device=device)
+    big = torch.tensor([[3, 1, 5] + [0] * 40000], dtype=torch.int32, device=device)[:, :40000]
+    poison = _pages(fmt, 7, epb, device)
+    a, b, c = poison.clone(), poison.clone(), poison.clone()
+    ref.write_entries(fmt.views(a, epb), fmt, rows, ereq, eidx, block_table, epb, fin)
+    tri.write_entries(fmt.views(b, epb), fmt, rows, ereq, eidx, block_table, epb, fin)
+    ref.write_entries(fmt.views(c, epb), fmt, finish_entries(rows, eidx, fin), ereq, eidx, block_table, epb)
+    _assert_bytes_equal(a, c, "reference finish vs finish_entries + write")
+    if fmt.name not in ("fp32", "fp32_i"):     # fp32 rows store every ulp: compared as values below
+        assert (a != b).float().mean().item() < 0.02, "fused kernel pages differ from the reference's"
+    ok = eidx >= 0
+    blk, row = ref._locate(block_table, ereq, eidx, epb, ok)
+    da, db = (ref.read_rows(fmt.views(p, epb), fmt, blk[ok], row[ok]) for p in (a, b))
+    step = {"fp8_ds": 2 ** -3, "bf16": 2 ** -7, "fp8": 2 ** -3, "mxfp4": 0.5}.get(fmt.name, 1e-5)
+    torch.testing.assert_close(db, da, rtol=step, atol=step * da.abs().max().item())
+    assert not torch.allclose(da, ref.read_rows(fmt.views(poison.clone(), epb), fmt, blk[ok], row[ok]))
+    # far positions: entry 30000 at ratio 4 (position 120000), the kernel's fp64 angles
+    fa, fb = poison.clone(), poison.clone()
+    far = torch.tensor([30000, 30001], device=device)
+    two = torch.zeros(2, dtype=torch.long, device=device)
+    big[0, 30000 // epb] = 6
+    ref.write_entries(fmt.views(fa, epb), fmt, rows[:2], two, far, big, epb, fin)
+    tri.write_entries(fmt.views(fb, epb), fmt, rows[:2], two, far, big, epb, fin)
+    fblk, frow = ref._locate(big, two, far, epb, far >= 0)
+    torch.testing.assert_close(ref.read_rows(fmt.views(fb, epb), fmt, fblk, frow),
+                               ref.read_rows(fmt.views(fa, epb), fmt, fblk, frow), rtol=step, atol=step * 8)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,9 +2,10 @@
 
 Per token j: c_j = x_j W_c, z_j = x_j W_z + APE[j mod m], in fp32. Each entry is a per-channel
 softmax of z over its slots applied to c, then weighted RMSNorm and RoPE at the window's first
-token w*m. CSA (overlap) entries span two windows; HCA entries one. The state between steps is
-the (M, S, A) online softmax kept in the state cache, so chunks and decode steps continue
-exactly where the last call stopped.
+token w*m (applied by the cache writes: `Compressor.finisher`, `write_entries(finish=)`). CSA
+(overlap) entries span two windows; HCA entries one. The state between steps is the (M, S, A)
+online softmax kept in the state cache, so chunks and decode steps continue exactly where the
+last call stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
+from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.model.rope import RopeTable
 
 
@@ -46,14 +48,6 @@ class Compressor(nn.Module):
         return ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
                                    batch.query_lens_host, self.ratio, self.overlap, z_bias=self.position_bias)
 
-    def compress(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
-                 rope: RopeTable, ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`update`, then `finish` at the finished entries' positions: entries [E, dim] fp32 (normed,
-        RoPE'd at w*m), entry_request [E], entry_index [E] (int64)."""
-        entries, req, idx = self.update(c, z, batch, state, ops)
-        cos, sin = ops.rope_cos_sin(rope.inv_freq_on(c.device), idx, self.ratio)
-        return self.finish(entries, cos, sin, ops), req, idx
-
     def compress_decode(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
                         ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (an all-decode batch): entries [B, dim] fp32 (A/S, before norm and
@@ -63,30 +57,34 @@ class Compressor(nn.Module):
         return ops.compress_decode(c, z, state, batch.request_slots, batch.positions, self.ratio, self.overlap,
                                    z_bias=self.position_bias)
 
-    def finish(self, entries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               ops: types.SimpleNamespace) -> torch.Tensor:
-        """kv_norm then RoPE (cos/sin at each entry's first token w*m) of finished entries."""
-        return ops.norm_rope(entries, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+    def finisher(self, rope: RopeTable, device: torch.device) -> EntryFinish:
+        """kv_norm then RoPE at each entry's first token w*m: what `write_entries(finish=)` applies
+        to this compressor's raw entries as it stores them."""
+        return EntryFinish(self.kv_norm.weight, self.kv_norm.eps, rope.inv_freq_on(device), self.ratio)
 
 
 def compress_layer(comp: Compressor, proj: dict[str, torch.Tensor], batch: ForwardBatch, comp_state: torch.Tensor,
-                   idx_state: torch.Tensor | None, rope: RopeTable, ops: types.SimpleNamespace
+                   idx_state: torch.Tensor | None, ops: types.SimpleNamespace
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A layer's compressors on one step: the main one and, CSA, the indexer's. Both have the same
-    ratio, so they finish the same entries: one rotary table serves both.
+    """A layer's compressors on one step: the main one and, CSA, the indexer's (the same ratio:
+    they finish the same entries).
 
     Args:
         proj: the layer's projections of x (c, z; CSA also ic, iz); comp_state / idx_state: the
             state caches of the main and (CSA) indexer compressors.
     Returns:
-        entries [E, D] fp32, entry_request [E], entry_index [E], indexer keys [E, D_I] fp32 (CSA) or None.
+        raw entries [E, D] fp32, entry_request [E], entry_index [E], raw indexer keys [E, D_I] fp32
+        (CSA) or None: before kv_norm and RoPE, which the cache writes apply (`finisher`).
     """
     entries, req, idx = comp.update(proj["c"], proj["z"], batch, comp_state, ops)
-    cos, sin = ops.rope_cos_sin(rope.inv_freq_on(entries.device), idx, comp.ratio)
-    entries = comp.finish(entries, cos, sin, ops)
     keys = None
     if idx_state is not None:
-        indexer = comp.indexer
-        keys, _, _ = indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
-        keys = indexer.finish(keys, cos, sin, ops)
+        keys, _, _ = comp.indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
     return entries, req, idx, keys
+
+
+def layer_finishers(comp: Compressor, rope: RopeTable, device: torch.device
+                    ) -> tuple[EntryFinish, EntryFinish | None]:
+    """The finish of the layer's main entries and (CSA) indexer keys, for `flush_compression(finish=)`."""
+    indexer = getattr(comp, "indexer", None)
+    return comp.finisher(rope, device), indexer.finisher(rope, device) if indexer is not None else None

@@ -7,8 +7,8 @@ On CUDA the step runs on two streams (a CUDA graph captures them as parallel bra
 
     main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] q norm/RoPE -> CSA
            indexer queries
-    side   cos/sin -> kv norm/RoPE -> window append -> compressor(s) -> entry norm/RoPE -> cache
-           writes -> CSA indexer weights
+    side   cos/sin -> kv norm/RoPE -> window append -> compressor(s) -> cache writes (entry
+           norm/RoPE inside) -> CSA indexer weights
     join   -> CSA indexer scores + top-k -> attention (its split combine also applies the inverse
            RoPE and writes the output projection's dtype)
 
@@ -72,17 +72,16 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                           b.seq_lens)
         if comp is not None:
             assert pool is not None, "compressed layers have a paged pool"
-            ratio, epb = sch.compress_ratio, sch.entries_per_block
+            epb = sch.entries_per_block
             ereq = torch.arange(b.num_requests, device=dev)
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
-            # entries finish at the same positions in both CSA compressors (same ratio): one table
-            ecos, esin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), eidx, ratio)
-            ops.write_entries(pool.kv, fmt, comp.finish(entries, ecos, esin, ops), ereq, eidx, b.block_table, epb)
+            # the writes apply kv_norm and RoPE at w*m themselves
+            ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
             if csa:
                 idx = comp.indexer
                 keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
-                ops.write_entries(pool.indexer, sch.indexer_format, idx.finish(keys, ecos, esin, ops), ereq, kidx,
-                                  b.block_table, epb)
+                ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
+                                  idx.finisher(blk.rope, dev))
                 g = idx.weights(proj["iw"])
     q_up = blk.query_up(blk.q_residual(proj, ops))
     if table_ready is not None:

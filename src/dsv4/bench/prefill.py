@@ -1,9 +1,9 @@
 """Prefill benchmarks: one T-token prompt (32K by default) into an empty cache, per layer.
 
     op              what is timed (summed over the prompt's chunks of `prefill_chunk` tokens)
-    compress_flush  compress_layer + write_entries           (CSA: main and indexer compressors,
-                                                              one rotary table; state update,
-                                                              RMSNorm, RoPE, scatter)
+    compress_flush  compress_layer + write_entries           (CSA: main and indexer compressors;
+                                                              state update, then RMSNorm, RoPE,
+                                                              quantise, scatter in the writes)
     layer           AttentionSubBlock.forward per chunk       projections included
     layer (hf)      transformers DeepseekV4Attention.forward  bf16 eager, one shot if it fits,
                                                               else in chunks (the row's note says)
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv4.attention.compressor import compress_layer
+from dsv4.attention.compressor import compress_layer, layer_finishers
 from dsv4.bench.common import LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, prefill_work
 from dsv4.bench.setup import acquire
@@ -144,12 +144,14 @@ def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types
 def compress_flush(blk: Any, proj: dict[str, torch.Tensor], batch: Any, mgr: KVCacheManager, li: int,
                    ops: types.SimpleNamespace) -> None:
     """What layer li runs to compress one chunk and flush it: its compressors (`compress_layer`)
-    and the quantised scatter of the finished entries (and CSA indexer keys) into the pools."""
+    and the writes that norm, rotate, quantise and scatter the entries (and CSA indexer keys)."""
     sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
-    e, er, ei, keys = compress_layer(blk.compressor, proj, batch, st.comp_state, st.idx_state, blk.rope, ops)
-    ops.write_entries(pool.kv, sch.kv_format, e, er, ei, batch.block_table, sch.entries_per_block)
+    e, er, ei, keys = compress_layer(blk.compressor, proj, batch, st.comp_state, st.idx_state, ops)
+    fin, fin_idx = layer_finishers(blk.compressor, blk.rope, e.device)
+    ops.write_entries(pool.kv, sch.kv_format, e, er, ei, batch.block_table, sch.entries_per_block, fin)
     if keys is not None:
-        ops.write_entries(pool.indexer, sch.indexer_format, keys, er, ei, batch.block_table, sch.entries_per_block)
+        ops.write_entries(pool.indexer, sch.indexer_format, keys, er, ei, batch.block_table, sch.entries_per_block,
+                          fin_idx)
 
 
 def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,

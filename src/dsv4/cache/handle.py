@@ -17,6 +17,7 @@ from dsv4.cache.schema import LayerCacheSchema
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import DeviceError, InputError
 from dsv4.kernels.dispatch import ops_for
+from dsv4.kernels.reference.norm_rope import EntryFinish
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,7 +97,8 @@ class LayerCacheHandle:
 
     # ------------------------------------------------------------------ compressed entries
     def flush_compression(self, compressed: torch.Tensor, entry_request: torch.Tensor, entry_index: torch.Tensor,
-                          indexer_keys: torch.Tensor | None = None) -> None:
+                          indexer_keys: torch.Tensor | None = None,
+                          finish: tuple[EntryFinish, EntryFinish | None] | None = None) -> None:
         """Quantise and scatter finished entries.
 
         Args:
@@ -104,6 +106,8 @@ class LayerCacheHandle:
             entry_request: [E] batch index of each entry's request; entry_index: [E] entry number w
                 (-1 = padding, written to the null block).
             indexer_keys: [E, D_I] the CSA indexer keys of the same entries (required for CSA).
+            finish: (main, indexer) `EntryFinish`: compressed and indexer_keys are the compressors'
+                raw entries, normed and RoPE'd by the writes (`attention.compressor.layer_finishers`).
         """
         pool, sch = self._paged(), self.schema
         self._check("compressed", compressed, (entry_index.shape[0], self.head_dim))
@@ -112,12 +116,13 @@ class LayerCacheHandle:
                 raise InputError(f"layer {sch.layer_idx} is CSA: flush_compression needs indexer_keys")
             self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
         b = self.batch
+        fin_main, fin_idx = finish if finish is not None else (None, None)
         self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
-                          sch.entries_per_block)
+                               sch.entries_per_block, fin_main)
         if pool.indexer is not None:
             assert indexer_keys is not None
             self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
-                              b.block_table, sch.entries_per_block)
+                                   b.block_table, sch.entries_per_block, fin_idx)
 
     def num_entries(self) -> torch.Tensor:
         """[B] finished entries per request after this step: seq_len // ratio."""

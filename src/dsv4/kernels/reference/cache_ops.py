@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import EntryFormat
+from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
 
 Views = dict[str, torch.Tensor]
 
@@ -87,8 +88,12 @@ def _locate(block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, e
 
 
 def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_request: torch.Tensor,
-                  entry_index: torch.Tensor, block_table: torch.Tensor, epb: int) -> None:
-    """Scatter finished entries rows [E, D] of (batch request, entry index) into their blocks."""
+                  entry_index: torch.Tensor, block_table: torch.Tensor, epb: int,
+                  finish: EntryFinish | None = None) -> None:
+    """Scatter finished entries rows [E, D] of (batch request, entry index) into their blocks;
+    with `finish`, rows are the compressor's raw entries and get RMSNorm + RoPE first."""
+    if finish is not None:
+        rows = finish_entries(rows, entry_index, finish)
     valid = entry_index >= 0
     block, row = _locate(block_table, entry_request, entry_index, epb, valid)
     write_rows(views, fmt, rows, block, row)

@@ -12,6 +12,8 @@ Computed in fp32 from end to end (one rounding to the output dtype at the end).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsv4.kernels.reference import quant
@@ -43,3 +45,19 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         cos, sin = cos[:, None], sin[:, None]
     y = apply_rope(xf, cos, sin, inverse=inverse)
     return (quant.fwht(y) if hadamard else y).to(out_dtype or x.dtype)
+
+
+class EntryFinish(NamedTuple):
+    """What turns a compressor's raw entry w (A/S) into the stored one, RoPE_{w*m}(RMSNorm_w(entry)),
+    for `write_entries(finish=)`: the norm's weight [D] and eps, inv_freq [r/2] float64 and the
+    compression ratio m (the rotation is at the window's first token w*m)."""
+    weight: torch.Tensor
+    eps: float
+    inv_freq: torch.Tensor
+    ratio: int
+
+
+def finish_entries(rows: torch.Tensor, entry_index: torch.Tensor, finish: EntryFinish) -> torch.Tensor:
+    """rows [E, D] raw entries -> RoPE_{w*m}(RMSNorm_w(rows)) fp32 (w = entry_index; -1 reads 0)."""
+    cos, sin = rope_cos_sin(finish.inv_freq, entry_index, finish.ratio)
+    return norm_rope(rows, finish.weight, finish.eps, cos, sin, out_dtype=torch.float32)

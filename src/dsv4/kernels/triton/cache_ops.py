@@ -25,6 +25,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
+from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.triton.encode import _FORMAT_ID, _encode_row
 from dsv4.kernels.triton.hadamard import fwht_constants
 
@@ -61,23 +62,54 @@ def _append_window_kernel(
 
 
 @triton.jit
+def _finish_row(x_row, xs, out_row, w_ptr, inv_ptr, eps, w, RATIO, D: tl.constexpr, HALF_P2: tl.constexpr,
+                HALF_R: tl.constexpr):
+    """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(x_row)) fp32: `norm_rope`'s arithmetic on
+    interleaved (even, odd) pairs, with cos / sin from float64 angles as `rope_cos_sin`. Returns
+    out_row once every thread's stores are visible to the program (the encoders read it back)."""
+    p = tl.arange(0, HALF_P2)
+    pm = p < D // 2
+    even = tl.load(x_row + 2 * p * xs, mask=pm, other=0.0).to(tl.float32)
+    odd = tl.load(x_row + (2 * p + 1) * xs, mask=pm, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
+    even = even * inv * tl.load(w_ptr + 2 * p, mask=pm, other=0.0).to(tl.float32)
+    odd = odd * inv * tl.load(w_ptr + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
+    j = p - (D // 2 - HALF_R)
+    rot = (j >= 0) & pm
+    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * tl.load(inv_ptr + j, mask=rot, other=0.0)
+    c = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
+    s = tl.where(rot, tl.sin(ang).to(tl.float32), 0.0)
+    tl.store(out_row + 2 * p, even * c - odd * s, mask=pm)
+    tl.store(out_row + 2 * p + 1, odd * c + even * s, mask=pm)
+    tl.debug_barrier()
+    return out_row
+
+
+@triton.jit
 def _write_entries_kernel(
         x_ptr, x_s0, x_s1, ereq_ptr, eidx_ptr, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
-        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1,
+        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr, w_ptr, inv_ptr, eps, RATIO,
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr):
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
+        FINISH: tl.constexpr, HALF_R: tl.constexpr):
     """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
-    (the reference's `_locate`)."""
+    (the reference's `_locate`). FINISH: row i is a raw compressor entry; its finished form (norm,
+    RoPE) goes to fin_ptr's row i first and is encoded from there (L2-resident)."""
     i = tl.program_id(0)
     req = tl.load(ereq_ptr + i).to(tl.int64)
     idx = tl.load(eidx_ptr + i).to(tl.int64)
+    x_row, xs = x_ptr + i.to(tl.int64) * x_s0, x_s1
+    if FINISH:
+        x_row = _finish_row(x_row, x_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr, eps, idx, RATIO, D,
+                            D_P2 // 2, HALF_R)
+        xs = 1
     e = tl.maximum(idx, 0)
     col = e // epb
     block = tl.load(bt_ptr + req * bt_s0 + tl.minimum(col, bt_cols - 1) * bt_s1).to(tl.int64)
     ok = (idx >= 0) & (col < bt_cols) & (block >= 0)           # past the table: padding as well
     page = tl.where(ok, block, 0)
     row = tl.where(ok, e % epb, 0)
-    _encode_row(x_ptr + i.to(tl.int64) * x_s0, x_s1, r0 + page * r0_s0 + row * r0_s1,
+    _encode_row(x_row, xs, r0 + page * r0_s0 + row * r0_s1,
                 r1 + page * r1_s0 + row * r1_s1, r2 + page * r2_s0 + row * r2_s1, 1,
                 FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE)
 
@@ -205,7 +237,8 @@ def append_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, swa_head:
 
 
 def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_request: torch.Tensor,
-                  entry_index: torch.Tensor, block_table: torch.Tensor, epb: int) -> None:
+                  entry_index: torch.Tensor, block_table: torch.Tensor, epb: int,
+                  finish: EntryFinish | None = None) -> None:
     """Quantise finished entries and scatter them into their blocks (reference twin).
 
         entry w of request r -> block block_table[r, w // epb], row w % epb
@@ -215,6 +248,11 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
         views: pool region views {name: [N, epb, bytes] uint8}.
         rows: [E, D] float entries; entry_request [E] int (batch index), entry_index [E] int (-1 = padding).
         block_table: [B, max_blocks] int32 (-1 = none); epb: entries per block.
+        finish: rows are the compressor's raw entries: each becomes RoPE_{w*m}(RMSNorm(row)) in
+            the kernel first (no rotary table, no norm_rope kernel, no fp32 round trip between
+            kernels). The result equals `norm_rope` on the rows to fp32 rounding (same operations;
+            the compiler may contract them differently), so a cache byte can differ from the
+            unfused path's where a value sits on a quantisation boundary.
     Indexer formats with `fmt.hadamard` rotate each row by the butterfly in the kernel (the
     reference's `quant.fwht`, the same adds in the same order).
     """
@@ -222,10 +260,17 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
     e = rows.shape[0]
     if e == 0:  # a step that finishes no entry (a shape, not a device value)
         return
+    if finish is not None:
+        fin = torch.empty(e, fmt.dim, dtype=torch.float32, device=rows.device)
+        extra = (fin, finish.weight, finish.inv_freq, finish.eps, finish.ratio)
+        half_r = finish.inv_freq.shape[0]
+    else:       # never read
+        extra, half_r = (rows, rows, rows, 0.0, 1), 0
     _write_entries_kernel[(e,)](
         rows, rows.stride(0), rows.stride(1), entry_request, entry_index, block_table,
         block_table.stride(0), block_table.stride(1), block_table.shape[1], epb,
-        *_region_args(views, fmt, 3), **_format_meta(fmt), num_warps=_WRITE_WARPS)
+        *_region_args(views, fmt, 3), *extra, **_format_meta(fmt), FINISH=finish is not None, HALF_R=half_r,
+        num_warps=_WRITE_WARPS)
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
