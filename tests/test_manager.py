@@ -317,6 +317,15 @@ def test_forward_batch_worked_example():
     assert sorted(batch.visible_entries) == [4, 128]
     assert torch.equal(batch.visible_entries[4], torch.tensor([9, 75], **i32))
     assert torch.equal(batch.visible_entries[128], torch.tensor([0, 2], **i32))
+    # the prefill compressor's launch tables, one per compressor kind, planned and copied here:
+    # rows mid_base (B + 1), first, end, fin_base, tok0, p0, p1 (dsv4.kernels.compress_plan)
+    assert sorted(batch.compress_plans) == [(4, True), (128, False)]
+    csa, hca = batch.compress_plans[(4, True)], batch.compress_plans[(128, False)]
+    assert csa.table.tolist() == [0, 7, 7, 0, 75, 9, 75, 0, 9, 0, 37, 0, 300, 37, 301]
+    assert (csa.num_middle, csa.num_finished) == (7, 9)            # a: entries 0..10, 2 + 2 at the ends
+    assert hca.table.tolist() == [0, 0, 0, 0, 2, 0, 2, 0, 0, 0, 37, 0, 300, 37, 301]
+    assert (hca.num_middle, hca.num_finished) == (0, 0)
+    assert csa.table.dtype == torch.int32 and (csa.start_positions, csa.query_lens) == ((0, 300), (37, 1))
     width = mgr.max_blocks_per_request
     assert width == 4096                             # 2^20 tokens / 256
     table = torch.full((2, width), -1, **i32)
@@ -334,6 +343,7 @@ def test_forward_batch_worked_example():
     assert batch.positions.tolist() == [301] and batch.token_request.tolist() == [0]
     assert batch.cu_seqlens.tolist() == [0, 1] and batch.request_slots.tolist() == [1]
     assert batch.visible_entries[4].tolist() == [75] and batch.visible_entries[128].tolist() == [2]
+    assert batch.compress_plans[(4, True)].table.tolist() == [0, 0, 75, 75, 0, 0, 301, 302]
     assert batch.block_table.shape == (1, width) and batch.block_table[0, :3].tolist() == [1, 2, -1]
     assert batch.is_decode
 

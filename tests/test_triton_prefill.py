@@ -11,6 +11,7 @@ from conftest import tiny_config
 
 from dsv4 import KVCacheManager
 from dsv4.cache.formats import indexer_format, main_format
+from dsv4.errors import InputError
 from dsv4.kernels.reference import cache_ops as ref_cache
 from dsv4.kernels.reference import compress as ref_compress
 from dsv4.kernels.reference import indexer as ref_indexer
@@ -81,6 +82,40 @@ def test_compress_update_bf16_views_with_bias(device, overlap, ratio, d, bias_dt
     assert torch.equal(e_tri, e_f32) and torch.equal(s_tri, s_f32)
     fin = torch.isfinite(s_ref)
     torch.testing.assert_close(s_tri[fin], s_ref[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compress_update_with_batch_plan(device):
+    """The manager's plan (`ForwardBatch.compress_plans`, one table copy per forward) gives what the
+    kernel plans for itself; a plan of another batch or kind is refused, not silently used."""
+    cfg = tiny_config()
+    mgr = KVCacheManager(cfg, max_requests=3, num_blocks=64, device=device, max_batch_tokens=512)
+    for rid, n in (("a", 126), ("b", 3)):
+        mgr.add_request(rid)
+        mgr.prepare_forward({rid: n})
+    mgr.add_request("c")
+    batch = mgr.prepare_forward({"a": 5, "b": 130, "c": 37})          # a crosses 128, b crosses 128 and 132
+    starts, lens = batch.start_positions_host, batch.query_lens_host
+    for (ratio, overlap), plan in batch.compress_plans.items():
+        d = 32
+        dc = 2 * d if overlap else d
+        c = torch.randn(batch.num_tokens, dc, device=device)
+        z = torch.randn(batch.num_tokens, dc, device=device) * 3
+        st = _state(3, 2 if overlap else 1, d, device)
+        s_own, s_plan = st.clone(), st.clone()
+        got_own = tri_compress.compress_update(c, z, s_own, batch.request_slots, starts, lens, ratio, overlap)
+        got_plan = tri_compress.compress_update(c, z, s_plan, batch.request_slots, starts, lens, ratio, overlap,
+                                                plan=plan)
+        assert got_own[0].shape[0] == plan.num_finished > 0
+        for a, b in zip(got_own, got_plan):
+            assert torch.equal(a, b)
+        assert torch.equal(s_own, s_plan)
+        with pytest.raises(InputError, match="compress plan"):
+            tri_compress.compress_update(c, z, st.clone(), batch.request_slots, starts, lens, ratio, not overlap,
+                                         plan=plan)
+        with pytest.raises(InputError, match="compress plan"):
+            tri_compress.compress_update(c[1:], z[1:], st.clone(), batch.request_slots, starts,
+                                         (lens[0] - 1, *lens[1:]), ratio, overlap, plan=plan)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -46,7 +46,8 @@ class Compressor(nn.Module):
             entries [E, dim] fp32 (A/S), entry_request [E], entry_index [E] (int64).
         """
         return ops.compress_update(c, z, state, batch.request_slots, batch.start_positions_host,
-                                   batch.query_lens_host, self.ratio, self.overlap, z_bias=self.position_bias)
+                                   batch.query_lens_host, self.ratio, self.overlap, z_bias=self.position_bias,
+                                   plan=batch.compress_plans.get((self.ratio, self.overlap)))
 
     def compress_decode(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
                         ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ next `prepare_forward`):
     block_table    [B, max_blocks]  physical block ids, -1 past block_lens
     block_lens     [B]          valid blocks per request
     visible_entries {m: [B]}    seq_lens // m for each compression ratio m of the model
+    compress_plans {(m, overlap): CompressPlan}   the prefill compressor's launch table per
+                                compressor kind of the model (`dsv4.kernels.compress_plan`)
 
 Worked example: requests "a" (37 new tokens, none before) and "b" (1 new token after 300),
 tokens_per_block 256, m = 4:
@@ -21,6 +23,7 @@ tokens_per_block 256, m = 4:
     seq_lens       = [37, 301]
     block_lens     = [1, 2]      a: entries 0..8 -> block 0 of a; b: entries 0..74 -> 2 blocks
     visible_entries[4] = [9, 75]
+    compress_plans[(4, True)]: first = [0, 75], end = [9, 75], 9 + 0 entries finish
 
 The same numbers are kept on the host (`*_host` tuples) for planning and reference code.
 """
@@ -30,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dsv4.kernels.compress_plan import CompressPlan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +56,7 @@ class ForwardBatch:
     # Static bound on seq_lens for fixed-shape (CUDA-graph) decode: a power of two >= max(seq_lens).
     seq_len_bound: int
     visible_entries: dict[int, torch.Tensor]
+    compress_plans: dict[tuple[int, bool], CompressPlan]
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from dsv4.cache.schema import (
 )
 from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import ConfigError, InputError, OutOfBlocksError, RequestError
+from dsv4.kernels.compress_plan import CompressPlan, plan_ints
 from dsv4.kernels.dispatch import BACKENDS
 from dsv4.model.config import DSV4Config
 
@@ -135,6 +136,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ step planning
     def _alloc_buffers(self) -> None:
         self._ratios = sorted({s.compress_ratio for s in self.schemas if s.compress_ratio})
+        self._kinds = sorted({(s.compress_ratio, s.attn_type == "csa") for s in self.schemas if s.compress_ratio})
         i32 = {"dtype": torch.int32}
         r, t, mb = self.max_requests, self.max_batch_tokens, self.max_blocks_per_request
         pin = self.device.type == "cuda"
@@ -146,6 +148,9 @@ class KVCacheManager:
             # seq_len // m per compression ratio m of the model (row i: self._ratios[i]): a decode
             # step reads them instead of running a division kernel per layer
             "entries": torch.zeros(len(self._ratios), r, **i32, pin_memory=pin),
+            # the prefill compressor's launch table per compressor kind (ratio, overlap): planned
+            # once per forward here, read by every layer's compressors of that kind
+            "compress": torch.zeros(len(self._kinds), 7 * r + 1, **i32, pin_memory=pin),
         }
         self._dev = {k: torch.empty_like(v, device=self.device) for k, v in self._host.items()}
         # The host->device copies are asynchronous: the next step may only rewrite the pinned host
@@ -222,14 +227,27 @@ class KVCacheManager:
             views[k] = self._dev[k][:n]
         self._dev["entries"][:, :b_count].copy_(h["entries"][:, :b_count], non_blocking=True)
         entries = {m: self._dev["entries"][i, :b_count] for i, m in enumerate(self._ratios)}
+        plans = self._compress_plans(tuple(s - q for s, q in zip(slens, qlens)), tuple(qlens))
         if self._copied is not None:
             self._copied.record()
         bound = min(max(self.tokens_per_block, 1 << (max(slens) - 1).bit_length()),
                     self.max_blocks_per_request * self.tokens_per_block)
         return ForwardBatch(request_ids=tuple(new_tokens), tokens_per_block=self.tokens_per_block, **views,
-                            seq_len_bound=bound, visible_entries=entries,
+                            seq_len_bound=bound, visible_entries=entries, compress_plans=plans,
                             query_lens_host=tuple(qlens), seq_lens_host=tuple(slens), slots_host=tuple(slots),
                             block_lens_host=tuple(blens))
+
+    def _compress_plans(self, starts: tuple[int, ...], qlens: tuple[int, ...]) -> dict[tuple[int, bool], CompressPlan]:
+        """Each compressor kind's launch table, copied with the batch (one copy for all kinds)."""
+        h, d, n = self._host["compress"], self._dev["compress"], 7 * len(qlens) + 1
+        sizes = []
+        for i, (ratio, overlap) in enumerate(self._kinds):
+            ints, n_mid, n_fin = plan_ints(starts, qlens, ratio, overlap)
+            h[i, :n] = torch.tensor(ints, dtype=torch.int32)
+            sizes.append((n_mid, n_fin))
+        d[:, :n].copy_(h[:, :n], non_blocking=True)
+        return {(ratio, overlap): CompressPlan(ratio, overlap, starts, qlens, d[i, :n], *sizes[i])
+                for i, (ratio, overlap) in enumerate(self._kinds)}
 
     def acquire(self, layer_idx: int, batch: ForwardBatch) -> LayerCacheHandle:
         """The cache handle of one layer for this batch (no allocation of cache memory)."""

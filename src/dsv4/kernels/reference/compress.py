@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.compress_plan import CompressPlan
+
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
-                    *, z_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    *, z_bias: torch.Tensor | None = None, plan: CompressPlan | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold a batch of new tokens into the pending entries; return the finished ones.
 
     Args:
@@ -34,6 +37,8 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
         state: [R, 3, P, D] fp32 (M, S, A) of the P pending entries per request slot (updated in place).
         request_slots: [B] int state slot per request; start_positions, query_lens: host ints per request.
         ratio: tokens per window m; overlap: CSA's two-window scheme.
+        plan: the Triton twin's launch table for this batch (`ForwardBatch.compress_plans`); the
+            reference plans from the host ints and does not read it.
     Returns:
         entries [E, D] fp32 (A/S, before norm and RoPE), entry_request [E] int64 (batch index),
         entry_index [E] int64 (entry number w), ordered by (request, w).

@@ -14,9 +14,9 @@ npend segments read the state and only its last npend write it, so one "boundary
 request (and channel block) takes both groups: it reads every stored row before it writes
 any, and no other program touches the request's state (writing from separate programs would
 race). The others take runs of the segments in between. The host sends only per-request ints
-(7 per request, one pinned asynchronous copy: no sync, no device read); each program finds its
-request and entry from them, and the programs of finished entries also write entry_request /
-entry_index. No per-entry host work, one launch.
+(7 per request: `dsv4.kernels.compress_plan`, copied once per forward by the manager; no sync,
+no device read); each program finds its request and entry from them, and the programs of
+finished entries also write entry_request / entry_index. No per-entry host work, one launch.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsv4.errors import InputError
+from dsv4.kernels.compress_plan import CompressPlan, make_plan
 
 
 @triton.jit
@@ -35,7 +38,7 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
     """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
     NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
     middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
-    (see `_request_table`). Per-segment quantities are [LANES] vectors; slot tiles
+    (see `dsv4.kernels.compress_plan`). Per-segment quantities are [LANES] vectors; slot tiles
     [LANES, BLOCK_S, BLOCK_D]. WIDE: element offsets into c / z need 64 bits (else 32-bit offsets:
     half the registers of the tile's addresses). c, z in any float dtype (fp32 math); BIAS: z gets
     zb[pos % m, column] added (slot j of a window is position j mod m)."""
@@ -127,46 +130,29 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
     tl.store(pbase + 2 * stride_sk, a, mask=pm)
 
 
-def _request_table(start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, npend: int
-                   ) -> tuple[list[int], int, int]:
-    """Per-request ints of one step, as the kernel reads them, and (middle segments, finished entries).
-
-    Request b (new tokens at positions [p0, p0 + n)) touches entries first = p0//m .. end + npend - 1
-    (end = (p0+n)//m), one segment each; those below `end` finish and are rows fin_base[b] +
-    (w - first) of `entries`; its tokens start at row tok0[b] of c and z. Its first and last
-    npend segments go to its boundary program; the ones between (middle segments) are numbered
-    from mid_base[b]. Rows: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1.
-    """
-    mid_base, first, end, fin_base, tok0, p1 = [0], [], [], [], [], []
-    nfin = ntok = 0
-    for p0, n in zip(start_positions, query_lens):
-        f, e = p0 // ratio, (p0 + n) // ratio
-        first.append(f)
-        end.append(e)
-        fin_base.append(nfin)
-        tok0.append(ntok)
-        p1.append(p0 + n)
-        mid_base.append(mid_base[-1] + max(e - f - npend, 0))          # nseg = e + npend - f, minus 2 npend
-        nfin += e - f
-        ntok += n
-    return mid_base + first + end + fin_base + tok0 + list(start_positions) + p1, mid_base[-1], nfin
-
-
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
-                    *, z_bias: torch.Tensor | None = None, segs: int | None = None, block_d: int | None = None,
-                    block_s: int | None = None, num_warps: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `dsv4.kernels.reference.compress.compress_update` (tuning: segs middle
-    entries per program, a power of two; block_d channels per program, block_s slots per load,
-    num_warps). The state is updated in place by the kernel: one launch, nothing after it; c and z
-    are read as they come (bf16 projections in place, the bias added in the kernel)."""
+                    *, z_bias: torch.Tensor | None = None, plan: CompressPlan | None = None,
+                    segs: int | None = None, block_d: int | None = None, block_s: int | None = None,
+                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `dsv4.kernels.reference.compress.compress_update`. plan: the batch's
+    launch table for this compressor kind (`ForwardBatch.compress_plans`, planned and copied once
+    per forward by the manager); without one the table is planned here and copied (one pinned
+    asynchronous copy per call). Tuning: segs middle entries per program, a power of two; block_d
+    channels per program, block_s slots per load, num_warps. The state is updated in place by the
+    kernel: one launch, nothing after it; c and z are read as they come (bf16 projections in
+    place, the bias added in the kernel)."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
     bsz = len(query_lens)
-    host, n_mid, e = _request_table(start_positions, query_lens, ratio, npend)
     cuda = dev.type == "cuda"
-    tab = torch.tensor(host, dtype=torch.int32, pin_memory=cuda).to(dev, non_blocking=True)
+    if plan is None:
+        plan = make_plan(start_positions, query_lens, ratio, overlap, dev)
+    elif not plan.matches(start_positions, query_lens, ratio, overlap) or plan.table.device != dev:
+        raise InputError(f"compress plan for ratio {plan.ratio} (overlap {plan.overlap}, {len(plan.query_lens)} "
+                         f"requests, {plan.table.device}) does not describe this call (ratio {ratio}, overlap "
+                         f"{overlap}, {bsz} requests, {dev}): pass the plan of this batch and compressor kind")
+    tab, n_mid, e = plan.table, plan.num_middle, plan.num_finished
     entries = torch.empty(e, d, dtype=torch.float32, device=dev)
     e_out = torch.empty(2, e, dtype=torch.int64, device=dev)                 # entry_request, entry_index
     c, z = _rows_contiguous(c), _rows_contiguous(z)
