@@ -18,6 +18,7 @@ from torch import nn
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
 from dsv4.kernels.reference.norm_rope import EntryFinish
+from dsv4.kernels.streams import on, side_stream
 from dsv4.model.rope import RopeTable
 
 
@@ -68,7 +69,8 @@ def compress_layer(comp: Compressor, proj: dict[str, torch.Tensor], batch: Forwa
                    idx_state: torch.Tensor | None, ops: types.SimpleNamespace
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A layer's compressors on one step: the main one and, CSA, the indexer's (the same ratio:
-    they finish the same entries).
+    they finish the same entries). On CUDA the indexer's runs on the side stream beside the main
+    one (two independent launches; joined before this returns).
 
     Args:
         proj: the layer's projections of x (c, z; CSA also ic, iz); comp_state / idx_state: the
@@ -77,10 +79,16 @@ def compress_layer(comp: Compressor, proj: dict[str, torch.Tensor], batch: Forwa
         raw entries [E, D] fp32, entry_request [E], entry_index [E], raw indexer keys [E, D_I] fp32
         (CSA) or None: before kv_norm and RoPE, which the cache writes apply (`finisher`).
     """
-    entries, req, idx = comp.update(proj["c"], proj["z"], batch, comp_state, ops)
     keys = None
+    side = side_stream(batch.device) if idx_state is not None else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(batch.device))
     if idx_state is not None:
-        keys, _, _ = comp.indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
+        with on(side):       # the indexer's compressor beside the main one: independent inputs and state
+            keys, _, _ = comp.indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
+    entries, req, idx = comp.update(proj["c"], proj["z"], batch, comp_state, ops)
+    if side is not None:
+        torch.cuda.current_stream(batch.device).wait_stream(side)
     return entries, req, idx, keys
 
 

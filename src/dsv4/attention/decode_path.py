@@ -18,27 +18,16 @@ GEMM; every tensor it reads stays referenced until the join.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
 from dsv4.cache.handle import LayerCacheHandle
+from dsv4.kernels.streams import on, side_stream
 from dsv4.model.layer_schedule import AttentionType
 
 if TYPE_CHECKING:
     import types
-
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    if device.type != "cuda":
-        return None
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
-
 
 def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                   ops: types.SimpleNamespace, out_dtype: torch.dtype) -> torch.Tensor:
@@ -56,10 +45,10 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     comp = blk.compressor
     csa = sch.attn_type is AttentionType.CSA
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-    side = _side_stream(dev)
+    side = side_stream(dev)
     if side is not None:
         side.wait_stream(main)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    with on(side):
         # The rotary table heads the side branch (only the main branch's q norm/RoPE waits for it).
         # Side-stream tensors read by the main stream (cos, sin, g) are freed into the side stream's
         # pool, whose next user (the next layer's side branch) first waits for the main stream.

@@ -143,15 +143,14 @@ def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types
 
 def compress_flush(blk: Any, proj: dict[str, torch.Tensor], batch: Any, mgr: KVCacheManager, li: int,
                    ops: types.SimpleNamespace) -> None:
-    """What layer li runs to compress one chunk and flush it: its compressors (`compress_layer`)
-    and the writes that norm, rotate, quantise and scatter the entries (and CSA indexer keys)."""
-    sch, st, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+    """What layer li runs to compress one chunk and flush it: its compressors (`compress_layer`;
+    CUDA: CSA's indexer compressor on the side stream) and the layer's flush (`flush_compression`:
+    the writes that norm, rotate, quantise and scatter the entries and, on the side stream, the
+    CSA indexer keys)."""
+    st = mgr.states[li]
     e, er, ei, keys = compress_layer(blk.compressor, proj, batch, st.comp_state, st.idx_state, ops)
-    fin, fin_idx = layer_finishers(blk.compressor, blk.rope, e.device)
-    ops.write_entries(pool.kv, sch.kv_format, e, er, ei, batch.block_table, sch.entries_per_block, fin)
-    if keys is not None:
-        ops.write_entries(pool.indexer, sch.indexer_format, keys, er, ei, batch.block_table, sch.entries_per_block,
-                          fin_idx)
+    handle = acquire(mgr, li, batch, ops.name)      # the layer's flush: both writes, as the layer runs them
+    handle.flush_compression(e, er, ei, keys, finish=layer_finishers(blk.compressor, blk.rope, e.device))
 
 
 def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,

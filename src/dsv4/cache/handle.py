@@ -18,6 +18,7 @@ from dsv4.cache.state_cache import StateCachePool
 from dsv4.errors import DeviceError, InputError
 from dsv4.kernels.dispatch import ops_for
 from dsv4.kernels.reference.norm_rope import EntryFinish
+from dsv4.kernels.streams import on, side_stream
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,12 +118,21 @@ class LayerCacheHandle:
             self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
         b = self.batch
         fin_main, fin_idx = finish if finish is not None else (None, None)
-        self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
-                               sch.entries_per_block, fin_main)
+        # CUDA: the indexer keys' write runs on the side stream beside the main entries' (two
+        # independent latency-bound launches), joined before this returns
+        side = side_stream(compressed.device) if pool.indexer is not None else None
+        main = torch.cuda.current_stream(compressed.device) if side is not None else None
+        if side is not None:
+            side.wait_stream(main)
         if pool.indexer is not None:
             assert indexer_keys is not None
-            self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
-                                   b.block_table, sch.entries_per_block, fin_idx)
+            with on(side):
+                self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
+                                       b.block_table, sch.entries_per_block, fin_idx)
+        self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
+                               sch.entries_per_block, fin_main)
+        if side is not None:
+            main.wait_stream(side)
 
     def num_entries(self) -> torch.Tensor:
         """[B] finished entries per request after this step: seq_len // ratio."""

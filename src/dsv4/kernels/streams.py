@@ -1,0 +1,29 @@
+"""The side stream that a layer's independent chains of small kernels run on (CUDA only).
+
+One stream per device, shared by every layer: a branch forks from the current stream
+(`side.wait_stream(main)`) and joins it again (`main.wait_stream(side)`) inside the same layer,
+so a CUDA graph captures the two as parallel branches. Tensors a branch allocates are freed into
+the side stream's pool; its next user (a later branch) first waits for the main stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The device's side stream, or None off CUDA (the branch then runs in order)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Run the enclosed launches on `stream` (None: where they are)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
