@@ -32,6 +32,7 @@ from dsv4.errors import ConfigError, InputError, OutOfBlocksError, RequestError
 from dsv4.kernels.compress_plan import CompressPlan, plan_ints
 from dsv4.kernels.dispatch import BACKENDS
 from dsv4.model.config import DSV4Config
+from dsv4.model.layer_schedule import AttentionType
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,7 +137,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ step planning
     def _alloc_buffers(self) -> None:
         self._ratios = sorted({s.compress_ratio for s in self.schemas if s.compress_ratio})
-        self._kinds = sorted({(s.compress_ratio, s.attn_type == "csa") for s in self.schemas if s.compress_ratio})
+        self._kinds = sorted({(s.compress_ratio, s.attn_type is AttentionType.CSA)      # (ratio, overlap)
+                              for s in self.schemas if s.compress_ratio})
         i32 = {"dtype": torch.int32}
         r, t, mb = self.max_requests, self.max_batch_tokens, self.max_blocks_per_request
         pin = self.device.type == "cuda"
