@@ -30,10 +30,13 @@ from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.triton import decode_attention_2p as tp
 from dsv4.kernels.triton.decode_common import (
+    FP8_DS_ID,
     LOG2E,
     Views,
+    dequant_entry_tile,
     dot_prec,
     inverse_rope,
+    load_entry_tile,
     locate,
     note_compile,
     precision_id,
@@ -44,8 +47,7 @@ from dsv4.kernels.triton.decode_common import (
 )
 from dsv4.kernels.triton.norm_rope import norm_rope
 
-_MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": 2}
-_FP8_DS: tl.constexpr = tl.constexpr(2)
+_MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": FP8_DS_ID.value}
 #: default minimum keys per split of the key range (split-K only while each split keeps this many);
 #: 64 measured best at B = 1 (H200, V4 shapes: 27 µs vs 55 µs at 256), no change at B = 64
 SPLIT_KEYS = 64
@@ -57,27 +59,10 @@ NUM_STAGES = 1
 @triton.jit
 def _load_kv(kv_ptr, rope_ptr, sc_ptr, page, row, valid, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
              FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows (page, row) [BLOCK_N] -> dequantised keys [BLOCK_N, NCH*64] fp32 (0 where masked / d >= D).
-
-    Built as [rows, chunk, 64] so each fp8_ds 64-channel tile meets its one scale byte by
-    broadcasting; chunks at or past NOPE // 64 come from the bf16 rope part."""
-    c = tl.arange(0, NCH)[None, :, None]
-    d = c * 64 + tl.arange(0, 64)[None, None, :]
-    p3 = page[:, None, None]
-    r3 = row[:, None, None]
-    v3 = valid[:, None, None]
-    if FMT == _FP8_DS:
-        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < NOPE), other=0.0).to(tl.float32)
-        sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0).to(tl.int32)
-        x = x * (sb << 23).to(tl.float32, bitcast=True)          # UE8M0: 2^(byte - 127), exact
-        # the rope part (<= 64 channels) is one chunk, loaded as [rows, 1, 64] and broadcast into
-        # chunk NOPE // 64: a full-tile pointer tensor for it would cost registers for nothing
-        j = tl.arange(0, 64)[None, None, :]
-        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + j, mask=v3 & (j < D - NOPE), other=0.0)
-        x = tl.where(c < NOPE // 64, x, tl.where(c == NOPE // 64, rope.to(tl.float32), 0.0))
-    else:
-        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0).to(tl.float32)
-    return tl.reshape(x, [BLOCK_N, NCH * 64])
+    """Rows (page, row) [BLOCK_N] -> dequantised keys [BLOCK_N, NCH*64] fp32 (0 where masked / d >= D)."""
+    x, sb, rope = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, page, row, valid, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+                                  FMT, D, NOPE, NCH)
+    return dequant_entry_tile(x, sb, rope, 0, FMT, NOPE, NCH, BLOCK_N)
 
 
 @triton.jit
@@ -294,6 +279,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     wkv, ckv = (wt["nope"], ct["nope"]) if kv_fmt.name == "fp8_ds" else (wt["kv"], ct["kv"])
     wrope, crope = (wt["rope"], ct["rope"]) if kv_fmt.name == "fp8_ds" else (wkv, ckv)
     wsc, csc = (wt["scale"], ct["scale"]) if kv_fmt.name == "fp8_ds" else (wkv, ckv)
+    if kv_fmt.name == "fp8_ds" and any(t.data_ptr() % 8 or t.stride(0) % 8 or t.stride(1) % 8 for t in (wsc, csc)):
+        raise InputError("fp8_ds scale views must start and step on 8-byte boundaries (the kernels read each "
+                         "entry's scale bytes as one word), as the pool's regions do")
     bt = block_table if block_table is not None else swa_pos
     idx = indices if indices is not None else swa_pos
     nent = num_entries if num_entries is not None else request_slots

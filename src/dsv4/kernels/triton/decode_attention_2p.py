@@ -32,15 +32,16 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.triton.decode_common import (
+    dequant_entry_tile,
     dot_prec,
     inverse_rope,
+    load_entry_tile,
     locate,
     note_compile,
     split_operand,
     split_stats,
 )
 
-_FP8_DS: tl.constexpr = tl.constexpr(2)
 #: scores rows are laid out as [window ring padded to PAD | compressed entries padded to PAD]
 PAD = 64
 
@@ -76,41 +77,6 @@ def _src_page(bt_row, w, ok, slot, epb, max_blocks, WIN: tl.constexpr):
 
 
 @triton.jit
-def _load_raw(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-              FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr):
-    """Stage 3: the stored bytes of channels [c0 * 64, (c0 + NC) * 64) of each key, as loaded (fp8 /
-    bf16 / fp32 [N, NC, 64], fp8_ds scale bytes [N, NC, 1] and bf16 rope [N, 1, 64]); 0 where masked."""
-    c = c0 + tl.arange(0, NC)[None, :, None]
-    d = c * 64 + tl.arange(0, 64)[None, None, :]
-    p3 = page[:, None, None]
-    r3 = row[:, None, None]
-    v3 = ok[:, None, None]
-    if FMT == _FP8_DS:
-        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < NOPE), other=0.0)
-        sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0)
-        j = tl.arange(0, 64)[None, None, :]
-        c0t = tl.zeros([1, 1, 1], tl.int32) + c0           # a tensor: the interpreter masks with tensors only
-        has_rope = (c0t <= NOPE // 64) & (c0t + NC > NOPE // 64)
-        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + j, mask=v3 & (j < D - NOPE) & has_rope, other=0.0)
-    else:
-        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0)
-        sb = tl.zeros_like(p3).to(tl.uint8)
-        rope = sb
-    return x, sb, rope
-
-
-@triton.jit
-def _dequant(x, sb, rope, c0, FMT: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Stage 4: stored bytes -> keys [BLOCK_N, NC * 64] fp32 (exact: UE8M0 scales are 2^(byte - 127))."""
-    x = x.to(tl.float32)
-    if FMT == _FP8_DS:
-        c = c0 + tl.arange(0, NC)[None, :, None]
-        x = x * (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        x = tl.where(c < NOPE // 64, x, tl.where(c == NOPE // 64, rope.to(tl.float32), 0.0))
-    return tl.reshape(x, [BLOCK_N, NC * 64])
-
-
-@triton.jit
 def _scores_src(q_hi, q_lo, m_i, l_i, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                 pos_ptr, idx_ptr, bt_row, b, s_pi, slot, t, window, limit, n_c, epb, max_blocks,
                 first, end, step, qk_scale, WIN: tl.constexpr, MODE: tl.constexpr, FMT: tl.constexpr,
@@ -122,19 +88,19 @@ def _scores_src(q_hi, q_lo, m_i, l_i, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_k
     n = tl.arange(0, BLOCK_N)[None, :]
     w0, ok0 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first, WIN, MODE, BLOCK_N)
     p0, r0 = _src_page(bt_row, w0, ok0, slot, epb, max_blocks, WIN)
-    x0, sb0, rp0 = _load_raw(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+    x0, sb0, rp0 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                              FMT, D, NOPE, NCH)
     w1, ok1 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + step, WIN, MODE, BLOCK_N)
     p1, r1 = _src_page(bt_row, w1, ok1, slot, epb, max_blocks, WIN)
     w2, ok2 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + 2 * step, WIN, MODE,
                        BLOCK_N)
     for tile in range(first, end, step):
-        x1, sb1, rp1 = _load_raw(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                                  FMT, D, NOPE, NCH)
         p2, r2 = _src_page(bt_row, w2, ok2, slot, epb, max_blocks, WIN)
         w3, ok3 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, tile + 3 * step, WIN, MODE,
                            BLOCK_N)
-        k = _dequant(x0, sb0, rp0, 0, FMT, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
+        k = dequant_entry_tile(x0, sb0, rp0, 0, FMT, NOPE, NCH, BLOCK_N).to(q_hi.dtype)
         s = dot_prec(q_hi, q_lo, tl.trans(k), PREC, NATIVE) * qk_scale
         s = tl.where(ok0[None, :], s, float("-inf"))
         tl.store(srow + tile * BLOCK_N + n, s, mask=hmask[:, None])
@@ -204,7 +170,7 @@ def _values_src(acc, m_f, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_r
     n = tl.arange(0, BLOCK_N)[None, :]
     w0, ok0 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first, WIN, MODE, BLOCK_N)
     p0, r0 = _src_page(bt_row, w0, ok0, slot, epb, max_blocks, WIN)
-    x0, sb0, rp0 = _load_raw(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+    x0, sb0, rp0 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                              FMT, D, NOPE, DV // 64)
     n0 = first * BLOCK_N + n
     s0 = tl.load(srow + n0, mask=hmask[:, None] & (n0 < end * BLOCK_N), other=float("-inf"))
@@ -213,14 +179,14 @@ def _values_src(acc, m_f, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_r
     w2, ok2 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + 2 * step, WIN, MODE,
                        BLOCK_N)
     for tile in range(first, end, step):
-        x1, sb1, rp1 = _load_raw(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                                  FMT, D, NOPE, DV // 64)
         n1 = (tile + step) * BLOCK_N + n
         s1 = tl.load(srow + n1, mask=hmask[:, None] & (n1 < end * BLOCK_N), other=float("-inf"))
         p2, r2 = _src_page(bt_row, w2, ok2, slot, epb, max_blocks, WIN)
         w3, ok3 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, tile + 3 * step, WIN, MODE,
                            BLOCK_N)
-        v = _dequant(x0, sb0, rp0, c0, FMT, NOPE, DV // 64, BLOCK_N)
+        v = dequant_entry_tile(x0, sb0, rp0, c0, FMT, NOPE, DV // 64, BLOCK_N)
         s = tl.where(ok0[None, :], s0, float("-inf"))   # where, not a load mask: the load stays vectorised
         p_hi, p_lo = split_operand(tl.exp2(s - m_f[:, None]), PREC)
         acc += dot_prec(p_hi, p_lo, v.to(p_hi.dtype), PREC, NATIVE)

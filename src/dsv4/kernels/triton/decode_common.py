@@ -22,6 +22,9 @@ Views = dict[str, torch.Tensor]
 LOG2E = 1.4426950408889634
 PRECISIONS = {"ieee": 0, "bf16": 1, "bf16x2": 2, "tf32x3": 3}
 
+#: the fp8_ds format id of the attention kernels' FMT constexpr (2: fp32, 1: bf16)
+FP8_DS_ID: tl.constexpr = tl.constexpr(2)
+
 #: Registers and spills of the last compile of each kernel (name -> {"regs", "spills"}), for tuning
 #: scripts; filled only on CUDA, where a launch returns the compiled kernel.
 COMPILE_INFO: dict[str, dict[str, int]] = {}
@@ -127,3 +130,53 @@ def _sm_count_of(index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a static property: no sync, capturable)."""
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def load_entry_tile(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
+                    FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr):
+    """The stored bytes of channels [c0 * 64, (c0 + NC) * 64) of each key, as loaded (fp8 / bf16 /
+    fp32 [N, NC, 64], fp8_ds scale bytes [N, NC, 1] and bf16 rope [N, 1, 64]); 0 where masked.
+    Built as [rows, chunk, 64] so each fp8_ds 64-channel tile meets its one scale byte by
+    broadcasting; chunk NOPE // 64 comes from the rope part.
+
+    Every part is loaded in one register layout, so that joining them moves no data: x in 8-element
+    vectors like the bf16 rope, the scale bytes as one word per key split in x's layout. Otherwise
+    the compiler converts x to the layout of the rope / scale loads through shared memory (H200,
+    two-pass attention pass 1: 1,080 -> 870 SASS instructions and 15 -> 10 barriers per key tile,
+    255 -> 201 registers)."""
+    c = c0 + tl.arange(0, NC)[None, :, None]
+    d = c * 64 + tl.arange(0, 64)[None, None, :]
+    p3 = page[:, None, None]
+    r3 = row[:, None, None]
+    v3 = ok[:, None, None]
+    if FMT == FP8_DS_ID:
+        # 8-element (not 16-byte) vectors: the layout of the bf16 rope load below, which x joins
+        dx = tl.max_contiguous(d, [1, 1, 8])
+        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + dx, mask=v3 & (d < NOPE), other=0.0)
+        if NOPE // 64 <= 8:     # the scale bytes as one word per key (the wrapper checks the alignment)
+            sw = tl.load((sc_ptr + page * s_sp + row * s_sr).to(tl.pointer_type(tl.uint64)), mask=ok, other=0)
+            sb = ((sw[:, None, None] >> (8 * c).to(tl.uint64)) & 0xFF).to(tl.uint8)
+        else:
+            sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0)
+        j = tl.arange(0, 64)[None, None, :]
+        c0t = tl.zeros([1, 1, 1], tl.int32) + c0           # a tensor: the interpreter masks with tensors only
+        has_rope = (c0t <= NOPE // 64) & (c0t + NC > NOPE // 64)
+        rope = tl.load(rope_ptr + p3 * s_rp + r3 * s_rr + j, mask=v3 & (j < D - NOPE) & has_rope, other=0.0)
+    else:
+        x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0)
+        sb = tl.zeros_like(p3).to(tl.uint8)
+        rope = sb
+    return x, sb, rope
+
+
+@triton.jit
+def dequant_entry_tile(x, sb, rope, c0, FMT: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """`load_entry_tile`'s bytes -> keys [BLOCK_N, NC * 64] fp32 (exact: UE8M0 scales are 2^(byte - 127))."""
+    x = x.to(tl.float32)
+    if FMT == FP8_DS_ID:
+        c = c0 + tl.arange(0, NC)[None, :, None]
+        x = x * (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        x = tl.where(c < NOPE // 64, x, tl.where(c == NOPE // 64, rope.to(tl.float32), 0.0))
+    return tl.reshape(x, [BLOCK_N, NC * 64])

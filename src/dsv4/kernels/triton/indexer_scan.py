@@ -54,19 +54,26 @@ def _locate(bt_row, w, valid, EPB: tl.constexpr, max_blocks):
 
 @triton.jit
 def _tile_loads(data_ptr, scale_ptr, glob_ptr, page, row, valid, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr,
-                FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
+                FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr,
+                SCALE_T: tl.constexpr):
     """Key words [N, NW, 1] int32, their group scales [N, NW, 1] fp32 (times 2^UNIT) and the per-key
-    fp32 global scale [N] (nvfp4; 1 for mxfp4) of one tile's keys."""
+    fp32 global scale [N] (nvfp4; 1 for mxfp4) of one tile's keys.
+
+    A key's group scales are one load of SCALE_T (all its scale bytes as one word), split per key
+    word in the words' layout: a [N, NW, 1] load of the scale bytes gets a layout of its own (rows
+    fastest), and the decoded tile would be converted to it, then stored to shared memory for the
+    dot 16 bits at a time and read back transposed (64 STS.U16 per thread per tile)."""
     j = tl.arange(0, NW)[None, :, None]
     v3 = valid[:, None, None]
     base = data_ptr + page[:, None, None] * s_dp + row[:, None, None] * s_dr
     words = tl.load(base.to(tl.pointer_type(tl.int32)) + j, mask=v3, other=0)
-    sp = scale_ptr + page[:, None, None] * s_sp + row[:, None, None] * s_sr + j // WPG
+    srow = tl.load((scale_ptr + page * s_sp + row * s_sr).to(tl.pointer_type(SCALE_T)), mask=valid, other=0)
+    byte = ((srow[:, None, None] >> (8 * (j // WPG)).to(SCALE_T)) & 0xFF).to(tl.int32)
     if FMT == _MXFP4:   # UE8M0 byte e+127 -> 2^e * 2^UNIT (undoes the decode's 2^-UNIT)
-        sc = ((tl.load(sp, mask=v3, other=0).to(tl.int32) + UNIT) << 23).to(tl.float32, bitcast=True)
+        sc = ((byte + UNIT) << 23).to(tl.float32, bitcast=True)
         glob = tl.full(valid.shape, 1.0, tl.float32)
     else:               # e4m3 group scale (keys stay exact in bf16); the global scale multiplies the dot
-        sc = tl.load(sp, mask=v3, other=0.0).to(tl.float32) * UNIT_MUL
+        sc = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * UNIT_MUL
         glob = tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)
     return words, sc, glob
 
@@ -89,7 +96,7 @@ def _indexer_scan_kernel(
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
         KEYS_M: tl.constexpr,
-        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
+        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr):
     b = tl.program_id(0)
     p0 = tl.program_id(1)
     step = tl.num_programs(1)
@@ -117,7 +124,7 @@ def _indexer_scan_kernel(
         o0 = p0 * BLOCK_N + ar
         pg, rw = _locate(bt_row, o0, o0 < n_b, EPB, max_blocks)
         words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, o0 < n_b, s_dp, s_dr, s_sp, s_sr,
-                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T)
         o1 = o0 + step * BLOCK_N
         pg_n, rw_n = _locate(bt_row, o1, o1 < n_b, EPB, max_blocks)
     for tile in range(p0, nt, step):
@@ -128,11 +135,11 @@ def _indexer_scan_kernel(
             pg_nn, rw_nn = _locate(bt_row, o2, o2 < n_b, EPB, max_blocks)
             o1 = offs + step * BLOCK_N
             words_n, sc_n, gl_n = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg_n, rw_n, o1 < n_b, s_dp, s_dr,
-                                              s_sp, s_sr, s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+                                              s_sp, s_sr, s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T)
         else:
             pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
             words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
-                                        s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL)
+                                        s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T)
         k = _decode_words(words, sc, BLOCK_N, D)
         if NATIVE:
             k = k.to(tl.bfloat16)
@@ -165,17 +172,28 @@ def _indexer_scan_kernel(
         tl.store(out_row + offs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs < max_entries)
 
 
+_SCALE_WORD = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
+
+
+def _group_size(fmt_name: str) -> int:
+    return 32 if fmt_name == "mxfp4" else 16
+
+
 def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
-    """Whether `_indexer_scan_kernel` runs this call: E2M1 keys readable as aligned int32 words."""
-    return (fmt_name in ("mxfp4", "nvfp4") and prec in (1, 2) and dim % 32 == 0 and (dim & (dim - 1)) == 0
-            and data.data_ptr() % 4 == 0 and data.stride(0) % 4 == 0 and data.stride(1) % 4 == 0)
+    """Whether `_indexer_scan_kernel` runs this call: E2M1 keys readable as aligned int32 words, each
+    key's scale bytes (1, 2, 4 or 8) as one aligned word."""
+    if fmt_name not in ("mxfp4", "nvfp4") or prec not in (1, 2) or dim % 32 or dim & (dim - 1):
+        return False
+    sb = dim // _group_size(fmt_name)
+    return (sb in _SCALE_WORD and data.data_ptr() % 4 == 0 and data.stride(0) % 4 == 0 and data.stride(1) % 4 == 0
+            and scale.data_ptr() % sb == 0 and scale.stride(0) % sb == 0 and scale.stride(1) % sb == 0)
 
 
 def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
                 *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool, num_warps: int,
                 num_stages: int | None):
     heads, dim = q.shape[1], q.shape[2]
-    ge = 32 if fmt_name == "mxfp4" else 16           # elements per scale group
+    ge = _group_size(fmt_name)                       # elements per scale group
     extra = {"num_stages": num_stages} if num_stages else {}
     return _indexer_scan_kernel[grid](
         q, weights, out, data, scale, glob, block_table, num_entries,
@@ -184,4 +202,5 @@ def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entri
         tiles, max_entries, block_table.shape[1], dim ** -0.5, EPB=epb,
         FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
-        PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14, num_warps=num_warps, **extra)
+        PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14,
+        SCALE_T=_SCALE_WORD[dim // ge], num_warps=num_warps, **extra)
