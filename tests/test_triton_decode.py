@@ -306,3 +306,7 @@ def test_format_errors():
         tri.decode_attention(*aargs, precision="fp16")
     with pytest.raises(InputError, match="kv_views"):
         tri.decode_attention(*aargs[:7], None, None, *aargs[9:])
+    fargs = attention_args("tiny", "fp8_ds", HCA, 4, TINY_LENS[:3])
+    shifted = {**fargs[7], "scale": fargs[7]["scale"][..., 1:]}     # the kernels read 8 scale bytes as one word
+    with pytest.raises(InputError, match="8-byte"):
+        tri.decode_attention(*fargs[:7], shifted, *fargs[8:])
