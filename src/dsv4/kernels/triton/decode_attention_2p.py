@@ -92,14 +92,14 @@ def _scores_src(q_hi, q_lo, m_i, l_i, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_k
     w0, ok0 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first, WIN, MODE, BLOCK_N)
     p0, r0 = _src_page(bt_row, w0, ok0, slot, epb, max_blocks, WIN)
     x0, sb0, rp0 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                             FMT, D, NOPE, NCH)
+                                   FMT, D, NOPE, NCH)
     w1, ok1 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + step, WIN, MODE, BLOCK_N)
     p1, r1 = _src_page(bt_row, w1, ok1, slot, epb, max_blocks, WIN)
     w2, ok2 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + 2 * step, WIN, MODE,
                        BLOCK_N)
     for tile in range(first, end, step):
-        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, 0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                                 FMT, D, NOPE, NCH)
+        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, 0, s_kp, s_kr, s_rp, s_rr, s_sp,
+                                       s_sr, FMT, D, NOPE, NCH)
         p2, r2 = _src_page(bt_row, w2, ok2, slot, epb, max_blocks, WIN)
         w3, ok3 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, tile + 3 * step, WIN, MODE,
                            BLOCK_N)
@@ -174,7 +174,7 @@ def _values_src(acc, m_f, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_r
     w0, ok0 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first, WIN, MODE, BLOCK_N)
     p0, r0 = _src_page(bt_row, w0, ok0, slot, epb, max_blocks, WIN)
     x0, sb0, rp0 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p0, r0, ok0, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                             FMT, D, NOPE, DV // 64)
+                                   FMT, D, NOPE, DV // 64)
     n0 = first * BLOCK_N + n
     s0 = tl.load(srow + n0, mask=hmask[:, None] & (n0 < end * BLOCK_N), other=float("-inf"))
     w1, ok1 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + step, WIN, MODE, BLOCK_N)
@@ -182,8 +182,8 @@ def _values_src(acc, m_f, srow, hmask, kv_ptr, rope_ptr, sc_ptr, s_kp, s_kr, s_r
     w2, ok2 = _src_idx(pos_ptr, idx_ptr, b, s_pi, slot, t, window, limit, n_c, first + 2 * step, WIN, MODE,
                        BLOCK_N)
     for tile in range(first, end, step):
-        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                                 FMT, D, NOPE, DV // 64)
+        x1, sb1, rp1 = load_entry_tile(kv_ptr, rope_ptr, sc_ptr, p1, r1, ok1, c0, s_kp, s_kr, s_rp, s_rr, s_sp,
+                                       s_sr, FMT, D, NOPE, DV // 64)
         n1 = (tile + step) * BLOCK_N + n
         s1 = tl.load(srow + n1, mask=hmask[:, None] & (n1 < end * BLOCK_N), other=float("-inf"))
         p2, r2 = _src_page(bt_row, w2, ok2, slot, epb, max_blocks, WIN)
