@@ -29,10 +29,12 @@ from dsv4.kernels.dispatch import ops_for
 DEV = torch.device("cuda")
 
 
-def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5) -> None:
+def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5, timeline: bool = False) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if timeline:
+        print_timeline(title, fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
@@ -51,12 +53,37 @@ def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5) -> None:
         print(f"{us[name] / steps:9.1f} µs  {calls[name] / steps:5.1f}x  {name}")
 
 
+def print_timeline(title: str, fn: Callable[[], Any]) -> None:
+    """One step as the bench times it (L2 flushed, the step queued behind a spin kernel so its
+    launches run back to back): every kernel's start after the first one's, its duration, and
+    the idle gap before it (on any stream)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    flush.zero_()
+    torch.cuda._sleep(20_000_000)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return
+    t0, busy_end = ev[0].time_range.start, ev[0].time_range.start
+    print(f"\n## timeline: {title} (L2 flushed; start, duration, idle before, µs)")
+    for e in ev:
+        s, d = e.time_range.start - t0, e.time_range.end - e.time_range.start
+        idle = max(0.0, e.time_range.start - busy_end)
+        busy_end = max(busy_end, e.time_range.end)
+        print(f"{s:9.1f} {d:8.1f} {idle:7.1f}  {e.name[:80]}")
+    print(f"span {busy_end - t0:.1f} µs")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--prefill-layer", action="store_true", help="also profile the whole layer on the chunk")
+    ap.add_argument("--timeline", action="store_true", help="also print one step's kernels in time order")
     args = ap.parse_args()
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
@@ -71,7 +98,7 @@ def main() -> None:
                 blk.backend = "triton"
                 h = bench_setup.acquire(st.mgr, li, st.batch, "triton")
                 kernel_table(f"decode {kind} layer C={args.context} B={batch}",
-                             lambda blk=blk, st=st, h=h: blk(st.x, st.batch, h))
+                             lambda blk=blk, st=st, h=h: blk(st.x, st.batch, h), timeline=args.timeline)
             st = None
             torch.cuda.empty_cache()
         n = args.chunk
@@ -92,7 +119,8 @@ def main() -> None:
             def chunk(proj=proj, b=b, mgr=mgr, li=li, blk=blocks[kind]) -> None:
                 compress_flush(blk, proj, b, mgr, li, ops)
 
-            kernel_table(f"prefill {kind} compress_layer + write_entries, chunk {n} (from position 0)", chunk)
+            kernel_table(f"prefill {kind} compress_layer + write_entries, chunk {n} (from position 0)", chunk,
+                         timeline=args.timeline)
             if args.prefill_layer:    # the whole sub-block on the chunk (repeated: same shapes, same work)
                 blk = blocks[kind]
                 blk.backend = "triton"

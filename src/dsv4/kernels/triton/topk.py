@@ -47,70 +47,42 @@ def _keys(x):
 
 
 @triton.jit
-def _digit_hist(key, valid, thr, P: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr, NBINS: tl.constexpr):
-    """Histogram [NBINS] of digit P (bits SHIFT .. SHIFT+WIDTH of the unsigned key) over the valid keys
-    whose higher bits equal thr's. Excluded keys are counted in bin 0, then subtracted."""
-    if P == 0:
-        match = valid
-        dig = ((key >> SHIFT) & ((1 << WIDTH) - 1)) ^ (1 << (WIDTH - 1))   # sign bit flipped: unsigned order
-    else:
-        hi: tl.constexpr = SHIFT + WIDTH
-        match = valid & ((key >> hi) == (thr >> hi))
-        dig = (key >> SHIFT) & ((1 << WIDTH) - 1)
-    dig = tl.where(match, dig, 0)
-    h = tl.histogram(dig, NBINS)
-    excluded = tl.sum((match == 0).to(tl.int32), 0)
-    return h - tl.where(tl.arange(0, NBINS) == 0, excluded, 0)
+def _ukeys(x):
+    """fp32 -> the reference's key with its sign bit flipped, as uint32: unsigned order is the key's
+    order, and digits are plain bit fields (shifts are logical)."""
+    return (_keys(x) ^ -2147483648).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _load(row, irow, o, m, INDIRECT: tl.constexpr):
-    """Elements o of the program's row -> (keys, original indices): scores[o], or scores[cand[o]]."""
+    """Elements o of the program's row -> (unsigned keys, original indices): scores[o], or scores[cand[o]]."""
     if INDIRECT:
         idx = tl.load(irow + o, mask=m, other=0)
     else:
         idx = o.to(tl.int64)
-    return _keys(tl.load(row + idx, mask=m, other=0.0)), idx
+    return _ukeys(tl.load(row + idx, mask=m, other=0.0)), idx
 
 
 @triton.jit
-def _select_pass(row, irow, key, offs, valid, n, thr, need, P: tl.constexpr, DIGIT: tl.constexpr,
-                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
-    """Pass P of the select: digit P (bits 32 - DIGIT*(P+1) .. 32 - DIGIT*P, the last one shorter)
-    of the need-th largest key over the program's elements (the register-resident block, or block
-    by block) -> (thr with that digit set, need less the keys above it)."""
-    HI: tl.constexpr = 32 - DIGIT * P
-    SHIFT: tl.constexpr = HI - DIGIT if HI > DIGIT else 0
-    WIDTH: tl.constexpr = HI - SHIFT
-    NBINS: tl.constexpr = 1 << DIGIT
-    if ONE_BLOCK:
-        h = _digit_hist(key, valid, thr, P, SHIFT, WIDTH, NBINS)
-    else:
-        h = tl.zeros([NBINS], tl.int32)
-        for start in range(0, n, BLOCK):
-            o = start + offs
-            m = o < n
-            k, _ = _load(row, irow, o, m, INDIRECT)
-            h += _digit_hist(k, m, thr, P, SHIFT, WIDTH, NBINS)
-    b = tl.arange(0, NBINS)
-    suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # keys with digit >= b
-    d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
-    need = need - tl.sum(tl.where(b > d, h, 0), 0)
-    if P == 0:
-        thr = thr | ((d ^ (1 << (WIDTH - 1))) << SHIFT)
-    else:
-        thr = thr | (d << SHIFT)
-    return thr, need
+def _digit_hist(key, valid, thr, hi, shift, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram [NBINS] of bits shift .. hi of the valid keys ([BLOCK // ROW, ROW]) whose bits above
+    hi equal thr's."""
+    match = valid & ((((key ^ thr) >> (hi - 1).to(tl.uint32)) >> 1) == 0)     # two shifts: hi may be 32
+    dig = ((key >> shift.to(tl.uint32)) & (NBINS - 1)).to(tl.int32)
+    return tl.histogram(tl.reshape(dig, [BLOCK]), NBINS,
+                        mask=tl.reshape(match, [BLOCK]))
 
 
 @triton.jit
 def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
                  BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
-                 FINAL: tl.constexpr, DIGIT: tl.constexpr):
+                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr):
     """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
-    and pads; else the picks in index order (a first stage)."""
+    and pads; else the picks in index order (a first stage). A block of elements is a [BLOCK // ROW, ROW]
+    tile, ROW consecutive elements per row: the collect's scan runs along the rows in registers, then
+    over the row totals."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     row = s_ptr + b * s_row
@@ -122,21 +94,46 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
         row_e = row
     n = tl.minimum(N - g * CHUNK, CHUNK)
     kk = tl.minimum(K, n)
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     valid = offs < n
-    key = tl.zeros([BLOCK], tl.int32)
+    key = tl.zeros([BLOCK // ROW, ROW], tl.uint32)
     if ONE_BLOCK:
         key, _ = _load(row_e, irow, offs, valid, INDIRECT)
 
-    # ---- select: the exact key of the kk-th largest, 32 bits in ceil(32 / DIGIT) digits
-    thr = tl.zeros([], tl.int32)
+    # ---- select, most significant digit first: thr collects the kk-th largest key's digits, need
+    # counts how many keys sharing thr's bits above `hi` are still to take. It stops once every key
+    # of the chosen digit is taken (need == its count): the keys are then split by their bits above
+    # hi alone, usually after 3-4 of the 7 passes (all 7 when keys tie)
+    NBINS: tl.constexpr = 1 << DIGIT
+    bins = tl.arange(0, NBINS)
+    thr = tl.zeros([], tl.uint32)
     need = kk
-    for p in tl.static_range((32 + DIGIT - 1) // DIGIT):
-        thr, need = _select_pass(row_e, irow, key, offs, valid, n, thr, need, p, DIGIT, BLOCK, ONE_BLOCK, INDIRECT)
+    hi = tl.full([], 32, tl.int32)
+    go = need > 0
+    while go:
+        shift = tl.maximum(hi - DIGIT, 0)
+        if ONE_BLOCK:
+            h = _digit_hist(key, valid, thr, hi, shift, NBINS, BLOCK)
+        else:
+            h = tl.zeros([NBINS], tl.int32)
+            for start in range(0, n, BLOCK):
+                o = start + offs
+                m = o < n
+                k, _ = _load(row_e, irow, o, m, INDIRECT)
+                h += _digit_hist(k, m, thr, hi, shift, NBINS, BLOCK)
+        suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # keys with digit >= bin
+        d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+        need = need - tl.sum(tl.where(bins > d, h, 0), 0)
+        thr = thr | (d.to(tl.uint32) << shift.to(tl.uint32))
+        go = (shift > 0) & (tl.sum(tl.where(bins == d, h, 0), 0) > need)
+        hi = shift
 
-    # ---- collect: keys > thr, then the first `need` keys == thr by position, at prefix-sum positions
-    # (positions follow the original indices: rows directly, candidates chunk by chunk in that order)
-    taken = tl.zeros([], tl.int32)
+    # ---- collect: keys above thr (bits above hi), then the first `need` keys equal to it by position.
+    # One scan of (above << 16 | equal) places both: a pick's slot is the keys above before it plus
+    # the equal ones taken before it (positions follow the original indices: rows directly,
+    # candidates chunk by chunk in that order; counts < 2^16 as BLOCK <= 32768)
+    t_hi = thr >> hi.to(tl.uint32)
+    gt_seen = tl.zeros([], tl.int32)
     eq_seen = tl.zeros([], tl.int32)
     for start in range(0, n, BLOCK):
         o = start + offs
@@ -151,12 +148,19 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
             k, idx = _load(row_e, irow, o, m, INDIRECT)
         if not INDIRECT:
             idx = idx + g * CHUNK
-        eq = (m & (k == thr)).to(tl.int32)
-        take = (m & (k > thr)) | ((eq == 1) & (eq_seen + tl.cumsum(eq, 0) <= need))
-        t = take.to(tl.int32)
-        tl.store(orow + taken + tl.cumsum(t, 0) - 1, idx, mask=take)
-        taken += tl.sum(t, 0)
-        eq_seen += tl.sum(eq, 0)
+        k_hi = k >> hi.to(tl.uint32)
+        gt = (m & (k_hi > t_hi)).to(tl.int32)
+        eq = (m & (k_hi == t_hi)).to(tl.int32)
+        v = (gt << 16) | eq
+        row_tot = tl.sum(v, 1)
+        before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
+        eq_before = eq_seen + (before & 0xFFFF)
+        take = (gt == 1) | ((eq == 1) & (eq_before < need))
+        slot = gt_seen + (before >> 16) + tl.minimum(eq_before, need)
+        tl.store(orow + slot, idx, mask=take)
+        tot = tl.sum(row_tot, 0)
+        gt_seen += tot >> 16
+        eq_seen += tot & 0xFFFF
 
     # ---- sort the picks in the reference's packed order, descending (FINAL only: a first stage's picks
     # stay in index order, which is what the second stage's tie rule needs)
@@ -220,6 +224,7 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, 
             indirect: bool, final: bool, block: int | None, num_warps: int | None, cuda: bool,
             digit: int | None) -> None:
     blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
+    assert blk <= 32768, "the collect packs two counts of one block into an int32"
     if num_warps:
         warps = num_warps
     elif not cuda:
@@ -230,7 +235,7 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, 
     _topk_kernel[(scores.shape[0], groups)](
         scores, idx, out, scores.stride(0), idx.stride(0), out.stride(0), n, k, chunk,
         BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect, FINAL=final,
-        DIGIT=digit or DIGIT, num_warps=warps)
+        DIGIT=digit or DIGIT, ROW=min(8, blk), num_warps=warps)
 
 
 __all__ = ["topk_smaller_index"]
