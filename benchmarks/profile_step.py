@@ -4,7 +4,7 @@
     python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)]
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
-(`dsv4.bench.setup.build_decode_state`); prefill: compress_layer (state update on the bf16
+(`dsv4.bench.setup.build_decode_state`); prefill: compress_and_flush (state update on the bf16
 projections, RMSNorm, RoPE) + write_entries of one chunk for each compressor, and with
 --prefill-layer the whole sub-block on the chunk. Each is run eagerly under `torch.profiler`
 after warm-up; the table lists every kernel with its launches and summed device time per step,
@@ -58,13 +58,13 @@ def print_timeline(title: str, fn: Callable[[], Any]) -> None:
     launches run back to back): every kernel's start after the first one's, its duration, and
     the idle gap before it (on any stream)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    flush.zero_()
-    torch.cuda._sleep(20_000_000)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda._sleep(20_000_000)          # ~10 ms: the step's launches queue up behind it
         fn()
         torch.cuda.synchronize()
     ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)
+                key=lambda e: e.time_range.start)[2:]          # not the flush and the spin
     if not ev:
         return
     t0, busy_end = ev[0].time_range.start, ev[0].time_range.start
@@ -119,7 +119,7 @@ def main() -> None:
             def chunk(proj=proj, b=b, mgr=mgr, li=li, blk=blocks[kind]) -> None:
                 compress_flush(blk, proj, b, mgr, li, ops)
 
-            kernel_table(f"prefill {kind} compress_layer + write_entries, chunk {n} (from position 0)", chunk,
+            kernel_table(f"prefill {kind} compress_and_flush, chunk {n} (from position 0)", chunk,
                          timeline=args.timeline)
             if args.prefill_layer:    # the whole sub-block on the chunk (repeated: same shapes, same work)
                 blk = blocks[kind]

@@ -359,6 +359,37 @@ def test_handle_refused_flush_writes_nothing():
     assert torch.equal(pool.kv_pages, kv0) and torch.equal(pool.indexer_pages, ix0)
 
 
+def test_flush_halves_write_what_flush_compression_writes():
+    """flush_entries + flush_indexer_keys (the layer's two stream chains) leave the pages byte for
+    byte as one flush_compression of the same rows; the halves refuse what does not fit them."""
+    pages = []
+    for split in (False, True):
+        mgr = tiny(kv_format="fp8_ds", indexer_format="mxfp4")
+        mgr.add_request("a")
+        mgr.add_request("b")
+        batch = mgr.prepare_forward({"a": 13, "b": 26})           # 3 + 6 CSA entries
+        gen = torch.Generator().manual_seed(5)
+        req = torch.tensor([0] * 3 + [1] * 6)
+        idx = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 5])
+        rows, keys = torch.randn(9, D, generator=gen), torch.randn(9, D_I, generator=gen)
+        h = mgr.acquire(CSA, batch)
+        if split:
+            h.flush_indexer_keys(keys, req, idx)
+            h.flush_entries(rows, req, idx)
+        else:
+            h.flush_compression(rows, req, idx, keys)
+        pages.append((mgr.paged[CSA].kv_pages.clone(), mgr.paged[CSA].indexer_pages.clone()))
+        if split:
+            with pytest.raises(InputError, match="not CSA"):
+                mgr.acquire(HCA, batch).flush_indexer_keys(keys, req, idx)
+            with pytest.raises(InputError, match="indexer_keys"):
+                h.flush_indexer_keys(rows, req, idx)
+            with pytest.raises(InputError, match="compressed"):
+                h.flush_entries(keys, req, idx)
+    assert pages[0][0].any() and pages[0][1].any()
+    assert torch.equal(pages[0][0], pages[1][0]) and torch.equal(pages[0][1], pages[1][1])
+
+
 def test_cache_device_given_with_an_index():
     """A cache made on "cpu:0" (like "cuda" vs "cuda:0") accepts tensors on that same device."""
     mgr = tiny(device="cpu:0")

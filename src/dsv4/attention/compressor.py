@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
+from dsv4.cache.handle import LayerCacheHandle
 from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.streams import on, side_stream
 from dsv4.model.rope import RopeTable
@@ -65,31 +66,33 @@ class Compressor(nn.Module):
         return EntryFinish(self.kv_norm.weight, self.kv_norm.eps, rope.inv_freq_on(device), self.ratio)
 
 
-def compress_layer(comp: Compressor, proj: dict[str, torch.Tensor], batch: ForwardBatch, comp_state: torch.Tensor,
-                   idx_state: torch.Tensor | None, ops: types.SimpleNamespace
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A layer's compressors on one step: the main one and, CSA, the indexer's (the same ratio:
-    they finish the same entries). On CUDA the indexer's runs on the side stream beside the main
-    one (two independent launches; joined before this returns).
+def compress_and_flush(comp: Compressor, proj: dict[str, torch.Tensor], batch: ForwardBatch,
+                       cache: LayerCacheHandle, rope: RopeTable, ops: types.SimpleNamespace) -> None:
+    """A layer's compressors on one step and the flush of the entries they finish: the main one
+    and, CSA, the indexer's (the same ratio: they finish the same entries), each followed by its
+    cache write (kv_norm and RoPE applied by the writes: `layer_finishers`). On CUDA the indexer's
+    compressor and key write run as one chain on the side stream beside the main chain (the key
+    write takes the rows of the indexer's own compressor, so it waits for nothing on the main
+    stream), joined before this returns.
 
     Args:
-        proj: the layer's projections of x (c, z; CSA also ic, iz); comp_state / idx_state: the
-            state caches of the main and (CSA) indexer compressors.
-    Returns:
-        raw entries [E, D] fp32, entry_request [E], entry_index [E], raw indexer keys [E, D_I] fp32
-        (CSA) or None: before kv_norm and RoPE, which the cache writes apply (`finisher`).
+        proj: the layer's projections of x (c, z; CSA also ic, iz); cache: the layer's handle for
+            this batch (its state caches are updated in place, its entries written).
     """
-    keys = None
-    side = side_stream(batch.device) if idx_state is not None else None
+    st = cache.state
+    fin_main, fin_idx = layer_finishers(comp, rope, batch.device)
+    side = side_stream(batch.device) if st.idx_state is not None else None
+    main = torch.cuda.current_stream(batch.device) if side is not None else None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(batch.device))
-    if idx_state is not None:
-        with on(side):       # the indexer's compressor beside the main one: independent inputs and state
-            keys, _, _ = comp.indexer.update(proj["ic"], proj["iz"], batch, idx_state, ops)
-    entries, req, idx = comp.update(proj["c"], proj["z"], batch, comp_state, ops)
+        side.wait_stream(main)
+    if st.idx_state is not None:
+        with on(side):       # independent inputs, state and cache region
+            keys, kreq, kidx = comp.indexer.update(proj["ic"], proj["iz"], batch, st.idx_state, ops)
+            cache.flush_indexer_keys(keys, kreq, kidx, fin_idx)
+    entries, req, idx = comp.update(proj["c"], proj["z"], batch, st.comp_state, ops)
+    cache.flush_entries(entries, req, idx, fin_main)
     if side is not None:
-        torch.cuda.current_stream(batch.device).wait_stream(side)
-    return entries, req, idx, keys
+        main.wait_stream(side)
 
 
 def layer_finishers(comp: Compressor, rope: RopeTable, device: torch.device

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.attention.compressor import Compressor, compress_layer, layer_finishers
+from dsv4.attention.compressor import Compressor, compress_and_flush
 from dsv4.attention.decode_path import decode_attend
 from dsv4.attention.indexer import Indexer
 from dsv4.attention.layers import FusedProjection, RMSNorm, grouped_output
@@ -151,12 +151,8 @@ class AttentionSubBlock(nn.Module):
         selected = None
         ratio = max_entries = 0
         if self.compressor is not None:
-            st = cache.state
-            csa = self.spec.attn is AttentionType.CSA
-            entries, ereq, eidx, ikeys = compress_layer(self.compressor, proj, batch, st.comp_state, st.idx_state, ops)
-            finish = layer_finishers(self.compressor, self.rope, kv.device)
-            cache.flush_compression(entries, ereq, eidx, ikeys, finish=finish)     # norm + RoPE in the writes
-            if csa:
+            compress_and_flush(self.compressor, proj, batch, cache, self.rope, ops)   # norm + RoPE in the writes
+            if self.spec.attn is AttentionType.CSA:
                 selected = self.compressor.indexer.select(q_up["iq"], proj["iw"], cache, cos, sin, ops)
             ratio, max_entries = self.spec.compress_ratio, cache.max_entries()
         pool = cache.paged

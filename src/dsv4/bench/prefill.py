@@ -1,7 +1,7 @@
 """Prefill benchmarks: one T-token prompt (32K by default) into an empty cache, per layer.
 
     op              what is timed (summed over the prompt's chunks of `prefill_chunk` tokens)
-    compress_flush  compress_layer + write_entries           (CSA: main and indexer compressors;
+    compress_flush  compress_and_flush                       (CSA: main and indexer compressors;
                                                               state update, then RMSNorm, RoPE,
                                                               quantise, scatter in the writes)
     layer           AttentionSubBlock.forward per chunk       projections included
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv4.attention.compressor import compress_layer, layer_finishers
+from dsv4.attention.compressor import compress_and_flush
 from dsv4.bench.common import LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, prefill_work
 from dsv4.bench.setup import acquire
@@ -116,7 +116,7 @@ def _fresh(mgr: KVCacheManager) -> None:
 
 def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types.SimpleNamespace,
                    x: torch.Tensor, chunks: list[int]) -> Timing:
-    """What the layer runs per chunk: `compress_layer` (state update on the bf16
+    """What the layer runs per chunk: `compress_and_flush` (state update on the bf16
     projections with the position bias added inside, then RMSNorm and RoPE of the finished
     entries) and the quantised scatter (write_entries)."""
     li = LAYER_INDEX[kind]
@@ -143,14 +143,10 @@ def _time_compress(ctx: BenchContext, mgr: KVCacheManager, kind: str, ops: types
 
 def compress_flush(blk: Any, proj: dict[str, torch.Tensor], batch: Any, mgr: KVCacheManager, li: int,
                    ops: types.SimpleNamespace) -> None:
-    """What layer li runs to compress one chunk and flush it: its compressors (`compress_layer`;
-    CUDA: CSA's indexer compressor on the side stream) and the layer's flush (`flush_compression`:
-    the writes that norm, rotate, quantise and scatter the entries and, on the side stream, the
-    CSA indexer keys)."""
-    st = mgr.states[li]
-    e, er, ei, keys = compress_layer(blk.compressor, proj, batch, st.comp_state, st.idx_state, ops)
-    handle = acquire(mgr, li, batch, ops.name)      # the layer's flush: both writes, as the layer runs them
-    handle.flush_compression(e, er, ei, keys, finish=layer_finishers(blk.compressor, blk.rope, e.device))
+    """What layer li runs to compress one chunk and flush it (`compress_and_flush`: its compressors,
+    each followed by its cache write that norms, rotates, quantises and scatters the entries; CUDA:
+    CSA's indexer chain on the side stream)."""
+    compress_and_flush(blk.compressor, proj, batch, acquire(mgr, li, batch, ops.name), blk.rope, ops)
 
 
 def _time_layer(ctx: BenchContext, mgr: KVCacheManager, kind: str, impl: str, x: torch.Tensor,

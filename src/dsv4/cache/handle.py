@@ -110,13 +110,12 @@ class LayerCacheHandle:
             finish: (main, indexer) `EntryFinish`: compressed and indexer_keys are the compressors'
                 raw entries, normed and RoPE'd by the writes (`attention.compressor.layer_finishers`).
         """
-        pool, sch = self._paged(), self.schema
+        pool = self._paged()
         self._check("compressed", compressed, (entry_index.shape[0], self.head_dim))
         if pool.indexer is not None:  # check everything before the first write: a refused call writes nothing
             if indexer_keys is None:
-                raise InputError(f"layer {sch.layer_idx} is CSA: flush_compression needs indexer_keys")
-            self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
-        b = self.batch
+                raise InputError(f"layer {self.schema.layer_idx} is CSA: flush_compression needs indexer_keys")
+            self._check("indexer_keys", indexer_keys, (entry_index.shape[0], self.schema.indexer_head_dim))
         fin_main, fin_idx = finish if finish is not None else (None, None)
         # CUDA: the indexer keys' write runs on the side stream beside the main entries' (two
         # independent latency-bound launches), joined before this returns
@@ -124,15 +123,34 @@ class LayerCacheHandle:
         main = torch.cuda.current_stream(compressed.device) if side is not None else None
         if side is not None:
             side.wait_stream(main)
-        if pool.indexer is not None:
-            assert indexer_keys is not None
+        if indexer_keys is not None:
             with on(side):
-                self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
-                                       b.block_table, sch.entries_per_block, fin_idx)
-        self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
-                               sch.entries_per_block, fin_main)
+                self.flush_indexer_keys(indexer_keys, entry_request, entry_index, fin_idx)
+        self.flush_entries(compressed, entry_request, entry_index, fin_main)
         if side is not None:
             main.wait_stream(side)
+
+    def flush_entries(self, compressed: torch.Tensor, entry_request: torch.Tensor, entry_index: torch.Tensor,
+                      finish: EntryFinish | None = None) -> None:
+        """The main entries' half of `flush_compression` (same arguments), on the current stream: a
+        layer that runs its CSA indexer's compressor and key write as one chain on another stream
+        (`attention.compressor.compress_and_flush`) writes the two halves separately."""
+        pool = self._paged()
+        self._check("compressed", compressed, (entry_index.shape[0], self.head_dim))
+        b, sch = self.batch, self.schema
+        self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
+                               sch.entries_per_block, finish)
+
+    def flush_indexer_keys(self, indexer_keys: torch.Tensor, entry_request: torch.Tensor, entry_index: torch.Tensor,
+                           finish: EntryFinish | None = None) -> None:
+        """The CSA indexer keys' half of `flush_compression` (its entry rows may come from the
+        indexer's own compressor: the same entries), on the current stream."""
+        pool, sch = self._paged(), self.schema
+        if pool.indexer is None:
+            raise InputError(f"layer {sch.layer_idx} is not CSA: it stores no indexer keys")
+        self._check("indexer_keys", indexer_keys, (entry_index.shape[0], sch.indexer_head_dim))
+        self.ops.write_entries(pool.indexer, sch.indexer_format, indexer_keys, entry_request, entry_index,
+                               self.batch.block_table, sch.entries_per_block, finish)
 
     def num_entries(self) -> torch.Tensor:
         """[B] finished entries per request after this step: seq_len // ratio."""
