@@ -103,8 +103,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
     """--focus: the defaults against the runners-up of the first sweep (benchmarks/NOTES.md)."""
     small = batch <= 16
     if section == "topk":
-        return [{}, dict(digit=4), dict(digit=6), dict(digit=7), dict(digit=8), dict(digit=8, chunk=8192),
-                dict(digit=6, chunk=8192)]
+        return [{}, dict(digit=4), dict(digit=6), dict(chunk=8192), dict(chunk=8192, num_warps=32),
+                dict(num_warps=8), dict(num_warps=32), dict(chunk=2048)]
     if section == "scores":
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
@@ -127,7 +127,7 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
 
 
 def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: bool = False,
-               scan_sweep: bool = False) -> None:
+               scan_sweep: bool = False, topk_only: bool = False) -> None:
     dev = DEV
     t0 = time.time()
     st = bench_setup.build_decode_state(cfg, context=context, batch=batch, device=dev, tokens_per_block=tpb,
@@ -166,6 +166,8 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
         attempt("topk", case, "triton " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
                 lambda kw=kw: topk_mod.topk_smaller_index(scores, idx.topk, **kw),
                 lambda o: None if torch.equal(o, want_top) else f"{(o != want_top).sum().item()} differ")
+    if topk_only:
+        return
 
     def sc_check(o: torch.Tensor, tol: float = 2e-2) -> str | None:
         e = rel(o, base)
@@ -392,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
     p.add_argument("--prefill-attention", action="store_true", help="only the prefill attention variants")
+    p.add_argument("--topk-only", action="store_true", help="only the top-k variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# failed: {type(e).__name__}: {e}", flush=True)
         for c in ([] if a.prefill_only else (int(x) for x in a.contexts.split(","))):
             for bsz in (int(x) for x in a.batches.split(",")):
-                sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus, a.scan_sweep)
+                sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus, a.scan_sweep, a.topk_only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(RESULTS, f, indent=1)

@@ -69,6 +69,22 @@ def test_topk_digit_widths(digit):
     _check(_rows(6, 300, gen).to(DEVICE), 16, digit=digit, chunk=64, block=32)
 
 
+@pytest.mark.parametrize("n,k", [(600, 64), (40, 6)])
+def test_topk_shared_prefix(n, k):
+    """Rows whose keys share many top bits (the select starts below them), keys one ulp apart across
+    a power of two (the shared-prefix bound rounds up there), and two distinct values only."""
+    gen = torch.Generator().manual_seed(n + 3 * k)
+    one = torch.tensor(1.0)
+    below = torch.nextafter(one, torch.tensor(0.0))
+    rows = torch.stack([1 + torch.rand(n, generator=gen) * 1e-3,
+                        -(4 + torch.rand(n, generator=gen) * 1e-4),
+                        torch.where(torch.rand(n, generator=gen) < 0.5, one, below),
+                        torch.where(torch.rand(n, generator=gen) < 0.2, one * 3, one * 2),
+                        torch.full((n,), 7.0)])
+    _check(rows.to(DEVICE), k)
+    _check(rows.to(DEVICE), k, block=32, chunk=0)       # the multi-block path (no shared-prefix start)
+
+
 def test_topk_special_values():
     s = torch.tensor([[0.0, -0.0, 0.0, -0.0, 1.0, float("-inf"), -1.0, float("nan"), 2.0, float("inf")]])
     for k in (1, 4, 10, 13):
