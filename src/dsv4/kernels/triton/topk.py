@@ -8,15 +8,18 @@ identical, not just the same set.
 One program per row (grid B), four phases over the row's N scores:
 
     keys      fp32 -> the reference's order-preserving int32 key (bits, or bits ^ 0x7FFFFFFF
-              for negative floats); its digits are taken with the sign bit flipped, so they
-              order as unsigned numbers
-    select    seven histogram passes over 5, 5, 5, 5, 5, 5, 2 bits of the key (most significant
-              first): each counts the keys that match the threshold's bits found so far and
-              picks the digit of the k-th largest; 32 bins keep tl.histogram cheap (its cost
-              grows with the bin count). Result: the exact key T of the k-th largest score and
-              how many keys equal to T to take (the smallest indices among them)
-    collect   one pass: keys > T, and the first `need` keys == T in index order, are written
-              (as indices) into the output row at prefix-sum positions: exactly min(k, N)
+              for negative floats), held as uint32 with the sign bit flipped so that unsigned
+              order is the key's order and digits are plain bit fields
+    select    histogram passes over 5-bit digits of the key, most significant first (32 bins keep
+              tl.histogram cheap: its cost grows with the bin count); keys not sharing the bits
+              chosen so far are masked out of the histogram. Each pass picks the digit of the
+              k-th largest and how many keys with that prefix are still to take; it stops as soon
+              as all keys of the chosen digit are taken (all 7 passes only when keys near the
+              k-th tie), leaving a threshold prefix T and a count `need`
+    collect   one pass: keys whose prefix is above T, and the first `need` keys whose prefix equals
+              T in index order, are written (as indices) into the output row at their slots,
+              found by one scan of (above << 16 | equal) counts over a [rows, 8] tile (the scan
+              runs along each thread's row, then over the row totals): exactly min(k, N)
     sort      the min(k, N) picks are reloaded, packed (key << 32 | 2^31 - 1 - index) as the
               reference does, sorted descending by tl.sort, unpacked and written
 
@@ -103,7 +106,7 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
     # ---- select, most significant digit first: thr collects the kk-th largest key's digits, need
     # counts how many keys sharing thr's bits above `hi` are still to take. It stops once every key
     # of the chosen digit is taken (need == its count): the keys are then split by their bits above
-    # hi alone, usually after 3-4 of the 7 passes (all 7 when keys tie)
+    # hi alone (all 7 passes only when keys near the k-th tie)
     NBINS: tl.constexpr = 1 << DIGIT
     bins = tl.arange(0, NBINS)
     thr = tl.zeros([], tl.uint32)
@@ -216,7 +219,7 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
 
 #: chunk length of the first stage on CUDA (rows longer than twice this run in two stages)
 DEFAULT_CHUNK = 4096
-#: bits per select pass (2^DIGIT histogram bins; 32 / DIGIT passes, rounded up)
+#: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
 
 
