@@ -10,7 +10,7 @@ Every case reports the median µs after warm-up, the bytes and FLOPs it must mov
 `DeepseekV4Attention` measured in the same run. Modules:
 
     common    options, result row, the benchmarked config      counts    bytes / FLOPs model
-    timing    do_bench medians, CUDA graphs, OOM per case      ceilings  copy + matmul ceilings
+    timing    event medians, CUDA graphs, OOM per case        ceilings  copy + matmul ceilings
     setup     synthetic valid cache states, random layers      hf        transformers baseline
     decode    decode-step cases                                prefill   prefill cases
     runner    one run                                          report    table, JSON, PNG, targets

@@ -44,7 +44,7 @@ def measure_ceilings(opts: BenchOptions) -> Ceilings:
     torch.cuda.empty_cache()
     return Ceilings(copy_gbps=2 * nbytes / copy_us / 1e3, mma_tflops=2 * n**3 / mm_us / 1e6,
                     copy_bytes=2 * nbytes, copy_us=copy_us, matmul_n=n, matmul_us=mm_us,
-                    note=f"{torch.cuda.get_device_name(opts.device)}; medians of triton.testing.do_bench")
+                    note=f"{torch.cuda.get_device_name(opts.device)}; medians of per-call CUDA event times")
 
 
 def _time_copy(timer: Timer, device: torch.device, nbytes: int, gen: torch.Generator) -> float:

@@ -1,8 +1,12 @@
 """Timing: medians after warm-up, CUDA graphs for launch-bound work, OOM caught per case.
 
-On CUDA, a single launchable region is timed with `triton.testing.do_bench(return_mode="median")`:
-CUDA events around each call, the L2 cache flushed before every call (cold inputs), warm-up and
-repetition budgets in milliseconds. Work that must replan on the host between device regions
+On CUDA, a single launchable region is timed as `triton.testing.do_bench(return_mode="median")`
+does it: CUDA events around each call, the L2 cache flushed before every call (cold inputs), warm-up
+and repetition budgets in milliseconds. The flush reads a 256 MB buffer rather than writing one (as
+do_bench does): a written flush leaves the L2 full of dirty lines that the timed call's own reads
+evict, so DRAM writes them back inside the timed region (benchmarks/l2_flush_check.py: a 32 MB read
+19.7 µs after a written flush, 16.6 µs after a read one, H200). The read flush leaves clean lines:
+the call still finds none of its data in the L2. Work that must replan on the host between device regions
 (a multi-chunk prefill) is timed region by region with CUDA events and summed per run, each
 region's kernels queued behind a spin kernel so the host's enqueue latency is not counted (an
 engine's host runs ahead of the GPU); the median is over runs. On CPU everything uses
@@ -93,11 +97,7 @@ class Timer:
             free_memory()
 
     def _do_bench(self, fn: Callable[[], Any]) -> float:
-        try:
-            from triton.testing import do_bench
-        except ImportError:  # no triton: the same method by hand
-            return _event_median(fn, self.warmup_ms, self.rep_ms, self.device)
-        return 1e3 * do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        return _event_median(fn, self.warmup_ms, self.rep_ms, self.device)
 
     def _host_median(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.host_warmup):
@@ -124,7 +124,7 @@ class Timer:
         after a synchronize, host enqueue latency included (`us_eager`).
         """
         cuda = self.device.type == "cuda"
-        flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=self.device) if cuda else None
+        flush = _flush_buffer(self.device) if cuda else None
         host_s = 1e-3                          # the host's enqueue time of the longest region so far
 
         def one_run(ahead: bool, calibrate: bool = False) -> float:
@@ -141,7 +141,7 @@ class Timer:
                     return
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 if ahead:
-                    flush.zero_()
+                    flush.sum()
                     torch.cuda._sleep(int(2e9 * 2 * host_s))    # ~2 GHz SM clock: twice the enqueue time
                 a.record()
                 t0 = time.perf_counter()
@@ -186,15 +186,21 @@ def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return g
 
 
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    """256 MB whose `sum()` (a read) evicts the L2 (50 MB on an H200) and leaves it clean."""
+    return torch.ones(64 * 2**20, dtype=torch.int32, device=device)
+
+
 def _event_median(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device: torch.device) -> float:
-    """do_bench's method without triton: L2 flushed by a 256 MB write before each timed call."""
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    """do_bench's method (median of per-call CUDA event times after warm-up), the L2 flushed by a
+    256 MB read before each timed call."""
+    flush = _flush_buffer(device)
     fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(5):
-        flush.zero_()
+        flush.sum()
         fn()
     b.record()
     torch.cuda.synchronize()
@@ -203,7 +209,7 @@ def _event_median(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, device
         fn()
     samples = []
     for _ in range(max(1, int(rep_ms / est))):
-        flush.zero_()
+        flush.sum()
         a.record()
         fn()
         b.record()
