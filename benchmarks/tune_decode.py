@@ -266,10 +266,13 @@ def prefill_compress(chunk: int = 8192) -> None:
         if name == "csa main":
             variants += [dict(segs=4, block_d=256, num_warps=8), dict(segs=4, block_d=64, num_warps=2),
                          dict(segs=8, block_d=128, num_warps=8), dict(segs=4, block_d=512, num_warps=8),
-                         dict(segs=4, block_d=128, num_warps=2), dict(segs=8, block_d=64, num_warps=4)]
+                         dict(segs=4, block_d=128, num_warps=4), dict(segs=2, block_d=128, num_warps=2),
+                         dict(segs=2, block_d=128, num_warps=1), dict(segs=2, block_d=256, num_warps=4),
+                         dict(segs=1, block_d=512, num_warps=4), dict(segs=2, block_d=512, num_warps=8),
+                         dict(segs=8, block_d=128, num_warps=4)]
         elif name == "csa indexer":
-            variants += [dict(segs=4, num_warps=2), dict(segs=8, num_warps=4), dict(segs=4, block_d=64, num_warps=2),
-                         dict(segs=4, block_d=32, num_warps=1), dict(segs=16, num_warps=8)]
+            variants += [dict(segs=8, num_warps=4), dict(segs=4, block_d=32, num_warps=1), dict(segs=16, num_warps=8),
+                         dict(segs=2, num_warps=1), dict(segs=4, num_warps=4), dict(segs=2, num_warps=2)]
         else:
             variants += [dict(block_d=32, block_s=128, num_warps=4), dict(block_d=64, block_s=32, num_warps=4),
                          dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=16, num_warps=4),
