@@ -104,7 +104,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
     small = batch <= 16
     if section == "topk":
         return [{}, dict(digit=4), dict(digit=6), dict(chunk=8192), dict(chunk=8192, num_warps=32),
-                dict(num_warps=8), dict(num_warps=32), dict(chunk=2048)]
+                dict(num_warps=8), dict(num_warps=32), dict(chunk=2048), dict(num_warps=4),
+                dict(num_warps=4, chunk=8192), dict(num_warps=16)]
     if section == "scores":
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
