@@ -79,8 +79,8 @@ def build_parser(prog: str = "dsv4 bench") -> argparse.ArgumentParser:
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--kv-format", default="fp8_ds", choices=("fp8_ds", "bf16", "fp32"))
     p.add_argument("--indexer-format", default="mxfp4", choices=("mxfp4", "fp8", "nvfp4", "bf16", "fp32"))
-    p.add_argument("--warmup-ms", type=float, help="do_bench warm-up budget (default 25; quick 5)")
-    p.add_argument("--rep-ms", type=float, help="do_bench repetition budget (default 100; quick 20)")
+    p.add_argument("--warmup-ms", type=float, help="warm-up budget per timed case, ms (default 25; quick 5)")
+    p.add_argument("--rep-ms", type=float, help="repetition budget per timed case, ms (default 100; quick 20)")
     p.add_argument("--reps", type=int,
                    help="timed runs of multi-chunk prefills and of CPU timings (default 3; quick 2)")
     p.add_argument("--seed", type=int, default=0)

@@ -35,7 +35,7 @@ class BenchOptions:
     quick: bool = False
     kv_format: str = "fp8_ds"
     indexer_format: str = "mxfp4"
-    warmup_ms: float = 25.0                 # triton.testing.do_bench warm-up / repetition budgets
+    warmup_ms: float = 25.0                 # warm-up / repetition budgets (bench.timing)
     rep_ms: float = 100.0
     host_warmup: int = 1                    # CPU (or multi-step prefill) timing: runs discarded / kept
     host_reps: int = 3

@@ -82,7 +82,7 @@ class Timer:
         replay time (the eager time goes to `us_eager`); a failed capture falls back to eager."""
         if self.device.type != "cuda":
             return Timing(us=self._host_median(fn), mode="host")
-        eager = self._do_bench(fn)
+        eager = self._median(fn)
         if not (graph and self.graph):
             return Timing(us=eager, mode="eager")
         try:
@@ -91,12 +91,12 @@ class Timer:
             free_memory(collect=True)
             return Timing(us=eager, mode="eager", note=f"graph capture failed: {short_reason(e, 100)}")
         try:
-            return Timing(us=self._do_bench(g.replay), mode="graph", us_eager=eager)
+            return Timing(us=self._median(g.replay), mode="graph", us_eager=eager)
         finally:
             del g
             free_memory()
 
-    def _do_bench(self, fn: Callable[[], Any]) -> float:
+    def _median(self, fn: Callable[[], Any]) -> float:
         return _event_median(fn, self.warmup_ms, self.rep_ms, self.device)
 
     def _host_median(self, fn: Callable[[], Any]) -> float:
