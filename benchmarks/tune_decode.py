@@ -110,9 +110,12 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
                 dict(precision="bf16", block_n=128)]
+    if not small:     # the two-pass scheme's tiles (its pass 1 at 201 registers since the one-layout loads)
+        return [{}, dict(score_block_n=64), dict(score_block_n=64, score_splits=3), dict(score_splits=3),
+                dict(value_block_d=256, value_warps=8), dict(value_block_n=64), dict(value_block_n=16)]
     return [{}, dict(num_stages=3, split_keys=256), dict(split_keys=256), dict(split_keys=32),
-            dict(block_n=16, num_warps=4)] + ([dict(num_splits=16, block_n=16), dict(block_n=64),
-                                               dict(block_n=64, split_keys=128)] if small else [])
+            dict(block_n=16, num_warps=4), dict(num_splits=16, block_n=16), dict(block_n=64),
+            dict(block_n=64, split_keys=128)]
 
 
 def scan_variants(batch: int) -> list[dict[str, Any]]:
@@ -127,30 +130,9 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
     return out
 
 
-def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: bool = False,
-               scan_sweep: bool = False, topk_only: bool = False) -> None:
-    dev = DEV
-    t0 = time.time()
-    st = bench_setup.build_decode_state(cfg, context=context, batch=batch, device=dev, tokens_per_block=tpb,
-                                        kv_format="fp8_ds", indexer_format="mxfp4", seed=0)
-    print(f"# state C={context} B={batch} built in {time.time() - t0:.1f} s", flush=True)
-    case = f"C={context // 1024 or context}K B={batch}"
-    mgr, b = st.mgr, st.batch
-    gen = torch.Generator(device=dev).manual_seed(1)
-
-    # ------------------------------------------------------------------ indexer: scores + top-k
-    li = LAYER_INDEX["csa"]
-    sch, pool = mgr.schemas[li], mgr.paged[li]
-    ifmt, epb, ratio = sch.indexer_format, sch.entries_per_block, sch.compress_ratio
-    idx = blocks["csa"].compressor.indexer
-    qi = ifmt.to_stored_basis(torch.randn(batch, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
-    g = torch.randn(batch, idx.heads, device=dev, generator=gen)
-    nent, nmax = b.seq_lens // ratio, b.seq_len_bound // ratio
-    sargs = (qi, g, pool.indexer, ifmt, b.block_table, nent, nmax, epb)
-    base = sc_mod.paged_indexer_scores(*sargs, precision="bf16x2", scan=False)
-    scores = base.clone()
-    want_top = ref.topk_smaller_index(scores, idx.topk)
-
+def indexer_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep: bool, only: str | None,
+                     scores: torch.Tensor, want_top: torch.Tensor, idx: Any, sargs: tuple, base: torch.Tensor) -> None:
+    """The top-k variants on the given scores, then (unless only top-k) the indexer scores variants."""
     attempt("topk", case, "torch int64 packed (reference, before)", lambda: ref.topk_smaller_index(scores, idx.topk),
             lambda o: None if torch.equal(o, want_top) else "differs")
     attempt("topk", case, "torch fp32 topk (not exact)", lambda: torch.topk(scores, idx.topk, dim=1), lambda o: None)
@@ -167,7 +149,7 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
         attempt("topk", case, "triton " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
                 lambda kw=kw: topk_mod.topk_smaller_index(scores, idx.topk, **kw),
                 lambda o: None if torch.equal(o, want_top) else f"{(o != want_top).sum().item()} differ")
-    if topk_only:
+    if only == "topk":
         return
 
     def sc_check(o: torch.Tensor, tol: float = 2e-2) -> str | None:
@@ -193,6 +175,36 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
         attempt("scores", case, " ".join(f"{k}={v}" for k, v in kw.items()),
                 lambda kw=kw: sc_mod.paged_indexer_scores(*sargs, **kw), lambda o, tol=tol: sc_check(o, tol),
                 "indexer_scores")
+
+
+def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: bool = False,
+               scan_sweep: bool = False, only: str | None = None) -> None:
+    dev = DEV
+    t0 = time.time()
+    st = bench_setup.build_decode_state(cfg, context=context, batch=batch, device=dev, tokens_per_block=tpb,
+                                        kv_format="fp8_ds", indexer_format="mxfp4", seed=0)
+    print(f"# state C={context} B={batch} built in {time.time() - t0:.1f} s", flush=True)
+    case = f"C={context // 1024 or context}K B={batch}"
+    mgr, b = st.mgr, st.batch
+    gen = torch.Generator(device=dev).manual_seed(1)
+
+    # ------------------------------------------------------------------ indexer: scores + top-k
+    li = LAYER_INDEX["csa"]
+    sch, pool = mgr.schemas[li], mgr.paged[li]
+    ifmt, epb, ratio = sch.indexer_format, sch.entries_per_block, sch.compress_ratio
+    idx = blocks["csa"].compressor.indexer
+    qi = ifmt.to_stored_basis(torch.randn(batch, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
+    g = torch.randn(batch, idx.heads, device=dev, generator=gen)
+    nent, nmax = b.seq_lens // ratio, b.seq_len_bound // ratio
+    sargs = (qi, g, pool.indexer, ifmt, b.block_table, nent, nmax, epb)
+    base = sc_mod.paged_indexer_scores(*sargs, precision="bf16x2", scan=False)
+    scores = base.clone()
+    want_top = ref.topk_smaller_index(scores, idx.topk)
+
+    if only != "attention":
+        indexer_variants(case, batch, quick, focus, scan_sweep, only, scores, want_top, idx, sargs, base)
+    if only == "topk":
+        return
 
     # ------------------------------------------------------------------ attention
     cfgm = blocks["csa"].cfg
@@ -398,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
     p.add_argument("--prefill-attention", action="store_true", help="only the prefill attention variants")
-    p.add_argument("--topk-only", action="store_true", help="only the top-k variants")
+    p.add_argument("--only", choices=("topk", "attention"), help="only the top-k / attention variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# failed: {type(e).__name__}: {e}", flush=True)
         for c in ([] if a.prefill_only else (int(x) for x in a.contexts.split(","))):
             for bsz in (int(x) for x in a.batches.split(",")):
-                sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus, a.scan_sweep, a.topk_only)
+                sweep_case(cfg, tpb, blocks, c, bsz, a.quick_sweep, a.focus, a.scan_sweep, a.only)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
