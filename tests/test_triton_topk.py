@@ -61,6 +61,17 @@ def test_topk_two_stage(n, k, chunk, block):
     _check(_rows(6, n, gen).to(DEVICE), k, chunk=chunk, block=block)
 
 
+def test_topk_two_stage_short_last_chunk_on_top():
+    """The short last chunk holds the largest scores: fewer than k picks of its own, so its threshold
+    does not bound the row's k-th from below (only full chunks' do)."""
+    gen = torch.Generator().manual_seed(11)
+    s = torch.randn(3, 300, generator=gen)
+    s[:, 288:] = 100 + torch.rand(3, 12, generator=gen)      # chunk 32: the last chunk is 12 scores
+    s[1, :288] = 5.0                                          # and with ties below them
+    _check(s.to(DEVICE), 16, chunk=32)
+    _check(s.to(DEVICE), 24, chunk=32)
+
+
 @pytest.mark.parametrize("digit", [3, 4, 6, 7, 8])
 def test_topk_digit_widths(digit):
     """Select passes of other widths (the last digit shorter unless the width divides 32)."""
@@ -83,6 +94,8 @@ def test_topk_shared_prefix(n, k):
                         torch.full((n,), 7.0)])
     _check(rows.to(DEVICE), k)
     _check(rows.to(DEVICE), k, block=32, chunk=0)       # the multi-block path (no shared-prefix start)
+    if n > 2 * 64:                                       # two stages: the chunks' bounds start the second
+        _check(rows.to(DEVICE), k, chunk=64)
 
 
 def test_topk_special_values():

@@ -24,7 +24,9 @@ One program per row (grid B), four phases over the row's N scores:
               reference does, sorted descending by tl.sort, unpacked and written
 
 Rows longer than 2 x 4096 run in two stages (grid B x chunks, then B): each chunk's picks (in
-index order, unsorted), then the picks among all chunks' picks (see topk_smaller_index).
+index order, unsorted) and a lower bound of its k-th key, then the picks among all chunks' picks,
+whose select starts below the bits shared by the largest chunk bound and the largest candidate
+(see topk_smaller_index).
 
 Rows up to BLOCK scores are loaded once and kept in registers across the passes; longer rows are
 re-read per pass (from L2 while they fit). No host reads, fixed grid: capturable in a CUDA graph.
@@ -77,9 +79,9 @@ def _digit_hist(key, valid, thr, hi, shift, NBINS: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
+def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
                  BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
-                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr):
+                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr):
     """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
@@ -112,7 +114,22 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
     thr = tl.zeros([], tl.uint32)
     need = kk
     hi = tl.full([], 32, tl.int32)
-    go = need > 0
+    if INDIRECT and ONE_BLOCK and BOUNDS > 0:
+        # The first stage's chunks with K picks each bound the k-th largest key from below (K keys
+        # of the row are at least their threshold); the largest candidate bounds it from above.
+        # The bits the two bounds share are the k-th key's, and no candidate lies above them: the
+        # select starts below them with nothing taken yet
+        c = tl.arange(0, BOUNDS)
+        lo = tl.max(tl.load(lb_ptr + b * NB + c, mask=c < NB, other=0).to(tl.uint32, bitcast=True), 0)
+        top = tl.max(tl.max(tl.where(valid, key, 0), 1), 0)
+        diff = lo ^ top
+        # bits below and at diff's highest set bit: from its float exponent, which may round up
+        # (hi one too high is still correct)
+        hi = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126)
+        hi = tl.minimum(hi, 32)
+        hs = (tl.maximum(hi, 1) - 1).to(tl.uint32)
+        thr = tl.where(hi == 0, top, (((top >> hs) >> 1) << hs) << 1)
+    go = (need > 0) & (hi > 0)
     while go:
         shift = tl.maximum(hi - DIGIT, 0)
         if ONE_BLOCK:
@@ -130,6 +147,8 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, s_row, i_row, o_row, N, K, CHUNK,
         thr = thr | (d.to(tl.uint32) << shift.to(tl.uint32))
         go = (shift > 0) & (tl.sum(tl.where(bins == d, h, 0), 0) > need)
         hi = shift
+    if BOUNDS > 0 and not INDIRECT:     # a first stage's bound for the second (0: none, the least key)
+        tl.store(lb_ptr + b * NB + g, tl.where(kk == K, thr, 0).to(tl.int32, bitcast=True))
 
     # ---- collect: keys above thr (bits above hi), then the first `need` keys equal to it by position.
     # One scan of (above << 16 | equal) places both: a pick's slot is the keys above before it plus
@@ -209,11 +228,12 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     if ch and n > 2 * ch and ch >= k:
         g = triton.cdiv(n, ch)
         cand = torch.empty(bsz, g * k, dtype=torch.int64, device=scores.device)
-        _launch(scores, scores, cand, n, k, ch, g, False, False, block, num_warps, cuda, digit)
+        bounds = torch.empty(bsz, g, dtype=torch.int32, device=scores.device)     # each chunk's k-th, from below
+        _launch(scores, scores, cand, bounds, n, k, ch, g, False, False, block, num_warps, cuda, digit)
         n2 = (g - 1) * k + min(k, n - (g - 1) * ch)             # only the last chunk can be short
-        _launch(scores, cand, out, n2, k, n2, 1, True, True, block, num_warps, cuda, digit)
+        _launch(scores, cand, out, bounds, n2, k, n2, 1, True, True, block, num_warps, cuda, digit)
     else:
-        _launch(scores, scores, out, n, k, n, 1, False, True, block, num_warps, cuda, digit)
+        _launch(scores, scores, out, None, n, k, n, 1, False, True, block, num_warps, cuda, digit)
     return out
 
 
@@ -223,9 +243,11 @@ DEFAULT_CHUNK = 4096
 DIGIT = 5
 
 
-def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, k: int, chunk: int, groups: int,
-            indirect: bool, final: bool, block: int | None, num_warps: int | None, cuda: bool,
-            digit: int | None) -> None:
+def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: torch.Tensor | None, n: int, k: int,
+            chunk: int, groups: int, indirect: bool, final: bool, block: int | None, num_warps: int | None,
+            cuda: bool, digit: int | None) -> None:
+    """bounds [B, chunks] int32: a first stage writes each chunk's lower bound of the k-th key there,
+    the second stage reads them (None: one stage)."""
     blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
     if num_warps:
@@ -235,10 +257,12 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, n: int, 
     else:   # few programs (small batch): latency-bound, more warps each; many: 8 warps share the SMs
         few = scores.shape[0] * groups < sm_count(scores.device)
         warps = 16 if blk >= 8192 or few else 8
+    nb = bounds.shape[1] if bounds is not None else 0
     _topk_kernel[(scores.shape[0], groups)](
-        scores, idx, out, scores.stride(0), idx.stride(0), out.stride(0), n, k, chunk,
-        BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect, FINAL=final,
-        DIGIT=digit or DIGIT, ROW=min(8, blk), num_warps=warps)
+        scores, idx, out, bounds if bounds is not None else out, scores.stride(0), idx.stride(0), out.stride(0),
+        n, k, chunk, nb, BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
+        FINAL=final, DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=triton.next_power_of_2(nb) if nb else 0,
+        num_warps=warps)
 
 
 __all__ = ["topk_smaller_index"]
