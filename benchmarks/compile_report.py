@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 _DT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-       torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+       torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float64: "fp64"}
 
 
 class _Capture:
@@ -161,6 +161,7 @@ def main() -> int:
             report(f"topk block={blk} warps={w}", topk, "_topk_kernel",
                    lambda blk=blk, w=w: topk.topk_smaller_index(s, 512, block=blk, num_warps=w))
     if "cache" in which:
+        from dsv4.kernels.reference.norm_rope import EntryFinish
         from dsv4.kernels.triton import cache_ops as co
         from dsv4.kernels.triton import compress as cmp
         rows, er, ei = torch.randn(8, 128), torch.zeros(8, dtype=torch.int64), torch.arange(8)
@@ -168,6 +169,11 @@ def main() -> int:
                lambda: co.write_entries(pool.indexer, ifmt, rows, er, ei, b.block_table, 64))
         report("write_entries fp8_ds", co, "_write_entries_kernel",
                lambda: co.write_entries(pool.kv, sch.kv_format, torch.randn(8, 512), er, ei, b.block_table, 64))
+        for name, views, fmt, d in (("fp8_ds", pool.kv, sch.kv_format, 512), ("mxfp4", pool.indexer, ifmt, 128)):
+            fin = EntryFinish(torch.rand(d) + 0.5, 1e-6, torch.rand(32, dtype=torch.float64), 4)
+            report(f"write_entries {name} finish", co, "_write_entries_kernel",
+                   lambda views=views, fmt=fmt, d=d, fin=fin: co.write_entries(views, fmt, torch.randn(8, d), er, ei,
+                                                                               b.block_table, 64, fin))
         for name, d, ratio, ov, kws in [
                 ("csa main", 512, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=2),
                                             dict(segs=4, block_d=64, block_s=8, num_warps=4)]),

@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
 from dsv4.kernels.reference.norm_rope import EntryFinish
+from dsv4.kernels.triton.decode_common import pdl
 from dsv4.kernels.triton.encode import _FORMAT_ID, _encode_row
 from dsv4.kernels.triton.hadamard import fwht_constants
 
@@ -62,25 +64,33 @@ def _append_window_kernel(
 
 
 @triton.jit
-def _finish_row(x_row, xs, out_row, w_ptr, inv_ptr, eps, w, RATIO, D: tl.constexpr, HALF_P2: tl.constexpr,
-                HALF_R: tl.constexpr):
-    """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(x_row)) fp32: `norm_rope`'s arithmetic on
-    interleaved (even, odd) pairs, with cos / sin from float64 angles as `rope_cos_sin`. Returns
-    out_row once every thread's stores are visible to the program (the encoders read it back)."""
-    p = tl.arange(0, HALF_P2)
-    pm = p < D // 2
-    even = tl.load(x_row + 2 * p * xs, mask=pm, other=0.0).to(tl.float32)
-    odd = tl.load(x_row + (2 * p + 1) * xs, mask=pm, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
-    even = even * inv * tl.load(w_ptr + 2 * p, mask=pm, other=0.0).to(tl.float32)
-    odd = odd * inv * tl.load(w_ptr + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
-    j = p - (D // 2 - HALF_R)
-    rot = (j >= 0) & pm
-    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * tl.load(inv_ptr + j, mask=rot, other=0.0)
-    c = tl.where(rot, tl.cos(ang).to(tl.float32), 1.0)
-    s = tl.where(rot, tl.sin(ang).to(tl.float32), 0.0)
-    tl.store(out_row + 2 * p, even * c - odd * s, mask=pm)
-    tl.store(out_row + 2 * p + 1, odd * c + even * s, mask=pm)
+def _finish_row(x_row, xs, out_row, w_ptr, inv_ptr, eps, w, RATIO, D: tl.constexpr, HALF_R: tl.constexpr):
+    """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(x_row)) fp32: `norm_rope`'s arithmetic, the
+    rotation on the trailing 2 HALF_R channels' interleaved (even, odd) pairs with cos / sin from
+    float64 angles as `rope_cos_sin`. Only those pairs get angles: float64 cos / sin is long code
+    on the FP64 units, and it used to run for all D/2 pairs (masked to 1 / 0 outside the rope
+    part): 8x the work at D 512 (H200, 32K-token prefill: CSA compress_flush 138 -> 130 µs,
+    benchmarks/NOTES.md #66). Returns out_row once every thread's stores are visible to the
+    program (the encoders read it back)."""
+    NOPE: tl.constexpr = D - 2 * HALF_R
+    k = tl.arange(0, triton.next_power_of_2(max(NOPE, 1)))
+    km = k < NOPE
+    p = tl.arange(0, triton.next_power_of_2(max(HALF_R, 1)))
+    pm = p < HALF_R
+    xn = tl.load(x_row + k * xs, mask=km, other=0.0).to(tl.float32)
+    even = tl.load(x_row + (NOPE + 2 * p) * xs, mask=pm, other=0.0).to(tl.float32)
+    odd = tl.load(x_row + (NOPE + 2 * p + 1) * xs, mask=pm, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(xn * xn, axis=0) + tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D
+                        + eps)
+    xn = xn * inv * tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32)
+    even = even * inv * tl.load(w_ptr + NOPE + 2 * p, mask=pm, other=0.0).to(tl.float32)
+    odd = odd * inv * tl.load(w_ptr + NOPE + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
+    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * tl.load(inv_ptr + p, mask=pm, other=0.0)
+    c = tl.cos(ang).to(tl.float32)
+    s = tl.sin(ang).to(tl.float32)
+    tl.store(out_row + k, xn, mask=km)
+    tl.store(out_row + NOPE + 2 * p, even * c - odd * s, mask=pm)
+    tl.store(out_row + NOPE + 2 * p + 1, odd * c + even * s, mask=pm)
     tl.debug_barrier()
     return out_row
 
@@ -91,17 +101,21 @@ def _write_entries_kernel(
         r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr, w_ptr, inv_ptr, eps, RATIO,
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
         SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
-        FINISH: tl.constexpr, HALF_R: tl.constexpr):
+        FINISH: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
     """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
     (the reference's `_locate`). FINISH: row i is a raw compressor entry; its finished form (norm,
-    RoPE) goes to fin_ptr's row i first and is encoded from there (L2-resident)."""
+    RoPE) goes to fin_ptr's row i first and is encoded from there (L2-resident). PDL: launched
+    with programmatic dependent launch (`pdl`): the launch is set up while the kernel before it
+    (the compressor that made the rows) runs, and the programs wait for its results here, before
+    any load or store."""
+    if PDL:
+        gdc_wait()
     i = tl.program_id(0)
     req = tl.load(ereq_ptr + i).to(tl.int64)
     idx = tl.load(eidx_ptr + i).to(tl.int64)
     x_row, xs = x_ptr + i.to(tl.int64) * x_s0, x_s1
     if FINISH:
-        x_row = _finish_row(x_row, x_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr, eps, idx, RATIO, D,
-                            D_P2 // 2, HALF_R)
+        x_row = _finish_row(x_row, x_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr, eps, idx, RATIO, D, HALF_R)
         xs = 1
     e = tl.maximum(idx, 0)
     col = e // epb
@@ -127,9 +141,14 @@ def _merge(m, s, a, z, c):
 def _compress_decode_kernel(
         c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0, st_s1, st_s2, st_s3, rslot_ptr,
         pos_ptr, out_ptr, idx_ptr, D, RATIO, OVERLAP: tl.constexpr, P: tl.constexpr, BIAS: tl.constexpr,
-        BLOCK: tl.constexpr):
+        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): channels [j*BLOCK, (j+1)*BLOCK) of request b's pending entries. c, z in any
-    float dtype (fp32 math); BIAS: z += bias[pos % RATIO] (fp32)."""
+    float dtype (fp32 math); BIAS: z += bias[pos % RATIO] (fp32). PDL: the entries' write (launched
+    after it with programmatic dependent launch) may start its programs as soon as every program
+    here runs (they wait for these results in `gdc_wait`). The prefill compressor does not do
+    this: its early trigger cost HCA compress_flush 74 -> 84 µs (benchmarks/NOTES.md #67)."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     md = d < D
@@ -204,6 +223,11 @@ def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:
     return args
 
 
+def _pdl_launch(device: torch.device) -> dict:
+    """The launch of a kernel that waits for its predecessor's results with `gdc_wait` (PDL=True)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+
+
 def _check_rows(fmt: EntryFormat, rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.shape[-1] != fmt.dim:
         raise FormatError(f"{fmt.name} entries have {fmt.dim} channels, got rows of shape {list(rows.shape)}")
@@ -270,7 +294,7 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
         rows, rows.stride(0), rows.stride(1), entry_request, entry_index, block_table,
         block_table.stride(0), block_table.stride(1), block_table.shape[1], epb,
         *_region_args(views, fmt, 3), *extra, **_format_meta(fmt), FINISH=finish is not None, HALF_R=half_r,
-        num_warps=_WRITE_WARPS)
+        num_warps=_WRITE_WARPS, **_pdl_launch(rows.device))
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
@@ -298,7 +322,8 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     _compress_decode_kernel[(bsz, triton.cdiv(d, block))](
         c, c.stride(0), c.stride(1), z, z.stride(0), z.stride(1), z_bias if z_bias is not None else z,
         z_bias.stride(0) if z_bias is not None else 0, state, *state.stride(), request_slots, positions,
-        entries, entry_index, d, ratio, OVERLAP=overlap, P=p, BIAS=z_bias is not None, BLOCK=block, num_warps=2)
+        entries, entry_index, d, ratio, OVERLAP=overlap, P=p, BIAS=z_bias is not None, BLOCK=block,
+        PDL=pdl(c.device), num_warps=2)
     return entries, entry_index
 
 

@@ -132,6 +132,18 @@ def sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _pdl_of(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` may use programmatic dependent launch (sm_90+: `griddepcontrol`):
+    a cache write launched with it is set up while the compressor before it runs and waits in
+    `gdc_wait` for that kernel's results (no sync; CUDA graphs capture it)."""
+    return device.type == "cuda" and _pdl_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @triton.jit
 def load_entry_tile(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
                     FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr):
