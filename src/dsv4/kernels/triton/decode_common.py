@@ -129,7 +129,7 @@ def _sm_count_of(index: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a static property: no sync, capturable)."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count_of(_index(device))
 
 
 @functools.cache
@@ -141,7 +141,11 @@ def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` may use programmatic dependent launch (sm_90+: `griddepcontrol`):
     a cache write launched with it is set up while the compressor before it runs and waits in
     `gdc_wait` for that kernel's results (no sync; CUDA graphs capture it)."""
-    return device.type == "cuda" and _pdl_of(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _pdl_of(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @triton.jit
