@@ -51,7 +51,7 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
             sig[name] = "i32" if abs(a) < 2**31 else "i64"
         else:
             sig[name] = "fp32"
-    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     for k, v in kw.items():
         sig[k], consts[k] = "constexpr", v
     # what the launcher specialises on: 16-byte aligned pointers, ints divisible by 16
@@ -120,7 +120,7 @@ def main() -> int:
     qi = torch.randn(2, 64, 128)
     g = torch.randn(2, 64)
     sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // 4, b.seq_len_bound // 4, 64)
-    which = sys.argv[1:] or ["scores", "attention", "topk", "cache"]
+    which = sys.argv[1:] or ["scores", "scan", "attention", "topk", "cache"]
     if "scores" in which:
         for kw in [dict(precision="bf16x2", block_n=64, num_warps=8), dict(precision="bf16", block_n=64, num_warps=8),
                    dict(precision="bf16", block_n=128, num_warps=8), dict(precision="bf16", block_n=64, num_warps=4),
@@ -129,6 +129,7 @@ def main() -> int:
                    dict(precision="bf16", block_n=128, num_warps=8, decode=1)]:
             report(f"scores {kw}", sc, "_indexer_scores_kernel",
                    lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, scan=False, **kw))
+    if "scan" in which:
         for kw in [dict(precision="bf16x2", block_n=64), dict(precision="bf16x2", block_n=64, prefetch=False),
                    dict(precision="bf16x2", block_n=128), dict(precision="bf16", block_n=64),
                    dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:

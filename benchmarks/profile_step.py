@@ -2,6 +2,7 @@
 (CUDA only): where the time of a step goes, kernel by kernel.
 
     python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)]
+    ncu --profile-from-start off --clock-control none -k regex:NAME python benchmarks/profile_step.py --ncu ...
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
 (`dsv4.bench.setup.build_decode_state`); prefill: compress_and_flush (state update on the bf16
@@ -29,10 +30,20 @@ from dsv4.kernels.dispatch import ops_for
 DEV = torch.device("cuda")
 
 
+NCU = False   # --ncu: no torch profiler; one step inside cudaProfilerStart / Stop for Nsight Compute
+
+
 def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5, timeline: bool = False) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if NCU:     # ncu --profile-from-start off: it sees exactly one warm step of each table
+        print(f"\n## ncu: {title}")
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
     if timeline:
         print_timeline(title, fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -84,7 +95,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--prefill-layer", action="store_true", help="also profile the whole layer on the chunk")
     ap.add_argument("--timeline", action="store_true", help="also print one step's kernels in time order")
+    ap.add_argument("--ncu", action="store_true",
+                    help="run one warm step per table between cudaProfilerStart / Stop, no torch profiler "
+                         "(under `ncu --profile-from-start off`)")
     args = ap.parse_args()
+    global NCU
+    NCU = args.ncu
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
     ops = ops_for(DEV, "triton")

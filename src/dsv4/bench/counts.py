@@ -28,8 +28,8 @@ W' = min(W, C) window keys, N_s = the static score width (ForwardBatch.seq_len_b
 Prefill of one T-token prompt in chunks of c tokens (n = ceil(T / c) forwards):
 
     compress_flush  per compressor: read c, z 2·T·Dc·2 (bf16 projections), state 2·3·P·D·4 per
-                    chunk, A/S entries written, read and written back by RMSNorm/RoPE, read by the
-                    scatter 4·(T//m)·D·4, stored entries (T//m)·E
+                    chunk, A/S entries written by the compressor and read by the write (which
+                    finishes them: RMSNorm, RoPE) 2·(T//m)·D·4, stored entries (T//m)·E
     layer           compress_flush + parameters once per chunk + x, out T·d·2 each + window ring
                     written (min(W, c)·(E + 4) per chunk) and read back (W·E per chunk) +
                     per chunk, every entry visible at its end read once (E_I for CSA keys,
@@ -174,7 +174,7 @@ def prefill_work(g: Geometry, tokens: int, chunk: int) -> dict[str, Work]:
         n_e = t_all // g.ratio
         cf = cf.merged(Work(bytes={
             f"{name}_cz_read": 2 * t_all * width * BF16, f"{name}_state_rw": n_chunks * 2 * 3 * pend * dim * F32,
-            f"{name}_entry_f32_rw": 4 * n_e * dim * F32, f"{name}_entry_write": n_e * eb}))
+            f"{name}_entry_f32_rw": 2 * n_e * dim * F32, f"{name}_entry_write": n_e * eb}))
     ring_w = ring_r = keys_r = ent_r = 0
     for c0 in range(0, t_all, chunk):
         c1 = min(c0 + chunk, t_all)
