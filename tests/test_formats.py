@@ -157,6 +157,31 @@ def test_hadamard_rotation_is_orthogonal_and_applied():
     assert all(torch.equal(a, b) for a, b in zip(fmt.encode(x).values(), direct))
 
 
+@pytest.mark.parametrize("name", INDEXER_FORMATS)
+@pytest.mark.parametrize("dim", INDEXER_DIMS)
+def test_round_query_rounds_as_keys(name, dim):
+    """A query rounded by `round_query` (in the stored basis) is what a key of the same values decodes
+    to; mxfp4 / bf16 rounding is idempotent; fp32 keys leave queries alone. And the rounded query's scores stay
+    within the keys' error bound of the exact ones, on both sides."""
+    fmt = indexer_format(name, dim)
+    x = _rows(32, dim)
+    q = fmt.round_query(fmt.to_stored_basis(x))
+    assert q.dtype == torch.float32 and torch.equal(q, fmt.roundtrip(x))
+    if name in ("mxfp4", "bf16", "fp32"):       # power-of-two scales: rounding is idempotent
+        assert torch.equal(fmt.round_query(q), q)
+    if name == "fp32":
+        assert torch.equal(q, x)
+    else:
+        assert not torch.equal(q, fmt.to_stored_basis(x))
+    k = torch.randn(64, dim)
+    exact = x.double() @ k.double().T
+    got = q.double() @ fmt.roundtrip(k).double().T
+    bq = _error_bound(fmt, fmt.to_stored_basis(x).float(), fmt.encode(x)).double().norm(dim=1)[:, None]
+    bk = _error_bound(fmt, fmt.to_stored_basis(k).float(), fmt.encode(k)).double().norm(dim=1)[None, :]
+    qn, kn = x.double().norm(dim=1)[:, None], k.double().norm(dim=1)[None, :]
+    assert ((got - exact).abs() <= qn * bk + bq * kn + bq * bk + 1e-5 * qn * kn).all()
+
+
 @pytest.mark.parametrize("n", [1, 2, 16, 128, 512])
 def test_fwht_is_the_hadamard_product_in_a_fixed_order(n):
     x = torch.randn(3, 5, n) * torch.exp(3 * torch.randn(3, 5, n))

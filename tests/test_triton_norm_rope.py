@@ -65,6 +65,32 @@ def test_hadamard_queries(device, shape):
         tri(torch.randn(3, 96, device=device), None, 0.0, cos[:3], sin[:3], hadamard=True, **kw)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["mxfp4", "fp8", "nvfp4", "bf16_i", "fp32_i"])
+def test_rounded_queries(device, name):
+    """round_to (the indexer queries rounded as keys of that format): the kernel's rounding is bit for
+    bit `quant.round_query` of its own unrounded rows, and the reference's of its own; rows over
+    1e-30 .. 1e3 in magnitude and an all-zero row."""
+    had = name in ("mxfp4", "fp8", "nvfp4")
+    x = torch.randn(3, 6, 128, device=device) * torch.logspace(-3, 3, 6, device=device)[None, :, None]
+    x[0, 0] = 0.0
+    x[1, 1] *= 1e-27
+    cos, sin = _angles(3, 32, device)
+    kw = dict(normalize=False, out_dtype=torch.float32, hadamard=had)
+    for fn in (ref, tri):
+        plain, rounded = fn(x, None, 0.0, cos, sin, **kw), fn(x, None, 0.0, cos, sin, round_to=name, **kw)
+        assert torch.equal(rounded, quant.round_query(name, plain)), (fn, name)
+        assert torch.equal(rounded[0, 0], torch.zeros_like(rounded[0, 0]))
+        assert torch.equal(rounded, plain) == (name == "fp32_i")
+    tol = 2e-6 * plain.abs().max().item()
+    if name != "fp32_i":     # a rounded format's step, relative: E2M1 1/4 of the group scale
+        tol = {"bf16_i": 2 ** -8, "fp8": 2 ** -3}.get(name, 0.5) * plain.abs().max().item()
+    torch.testing.assert_close(rounded, ref(x, None, 0.0, cos, sin, round_to=name, **kw), rtol=0, atol=tol)
+    if name == "mxfp4":
+        with pytest.raises(InputError):
+            tri(x, None, 0.0, cos, sin, normalize=False, round_to=name)
+
+
 @pytest.mark.parametrize("shape", [(5, 128), (3, 4, 512)])
 def test_reference_equals_module_composition(shape):
     x = torch.randn(*shape)

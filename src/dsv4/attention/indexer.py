@@ -3,7 +3,9 @@
 Keys K_w come from a CSA-style compressor at indexer_head_dim; queries
 qI = RoPE_t((q_res W_qI).view(H_I, D_I)); weights g = (x W_w) * H_I^-1/2 (from x, not q_res).
 Quantised indexer formats store keys Hadamard-rotated; queries are rotated the same way, which
-leaves every score unchanged in exact arithmetic.
+leaves every score unchanged in exact arithmetic. Queries are then rounded to the keys' format
+(`EntryFormat.round_query`): DeepSeek-V4's indexer QK path runs on FP4 activations on both sides
+and was trained that way. fp32 keys leave queries unrounded.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class Indexer(Compressor):
         """Queries [T, H_I, D_I] fp32 in the keys' stored basis from iq = q_b_proj(q_res) [T, H_I*D_I]
         (the layer computes it with its own q_b_proj in one GEMM); cos/sin [T, r/2] of the tokens."""
         q = iq.view(iq.shape[0], self.heads, self.dim)
-        # the stored basis (Hadamard-rotated E2M1 / fp8 keys) in the same kernel as the rotation
-        return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32, hadamard=fmt.hadamard)
+        # the stored basis (Hadamard-rotated E2M1 / fp8 keys), then rounded as the keys are (DeepSeek-V4
+        # scores FP4 queries against FP4 keys), in the same kernel as the rotation
+        return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32, hadamard=fmt.hadamard,
+                             round_to=fmt.name)
 
     def weights(self, w: torch.Tensor) -> torch.Tensor:
         """g = weights_proj(x) * H_I^-1/2 [T, H_I] fp32, from w = weights_proj(x)."""

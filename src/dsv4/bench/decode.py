@@ -140,7 +140,7 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     if csa:
         idx, ifmt = comp.indexer, sch.indexer_format
         ci, zi = cz(idx)
-        qi = ifmt.to_stored_basis(torch.randn(n, idx.heads, idx.dim, device=dev, generator=gen)).contiguous()
+        qi = ifmt.round_query(ifmt.to_stored_basis(torch.randn(n, idx.heads, idx.dim, device=dev, generator=gen)))
         g = torch.randn(n, idx.heads, device=dev, generator=gen)
 
     def flush() -> None:

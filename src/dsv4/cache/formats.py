@@ -135,6 +135,11 @@ class EntryFormat:
         """[..., dim] -> the basis `decode` returns keys in (identity unless `hadamard`)."""
         return quant.fwht(q) if self.hadamard else q
 
+    def round_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Indexer queries [..., dim] in the stored basis -> fp32, rounded as keys of this format are
+        (`quant.round_query`): what the scorer multiplies. fp32 keys leave them unrounded."""
+        return quant.round_query(self.name, q)
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) with x's leading shape; what a reader of the cache sees."""
         shape = x.shape

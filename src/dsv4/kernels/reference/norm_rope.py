@@ -33,9 +33,11 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: int = 1
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
               normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None,
-              hadamard: bool = False) -> torch.Tensor:
+              hadamard: bool = False, round_to: str | None = None) -> torch.Tensor:
     """x [N, D] or [N, H, D]; cos/sin [N, r/2] (one position per row of N). Returns out_dtype (x's by
-    default). hadamard: then each row times H_D (`quant.fwht`; the indexer queries' stored basis)."""
+    default). hadamard: then each row times H_D (`quant.fwht`; the indexer queries' stored basis).
+    round_to: an indexer-key format name; each row is then rounded as a key of that format
+    (`quant.round_query`: the indexer queries of a quantised indexer)."""
     xf = x.float()
     if normalize:
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
@@ -44,7 +46,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     if x.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     y = apply_rope(xf, cos, sin, inverse=inverse)
-    return (quant.fwht(y) if hadamard else y).to(out_dtype or x.dtype)
+    y = quant.fwht(y) if hadamard else y
+    if round_to is not None:
+        y = quant.round_query(round_to, y)
+    return y.to(out_dtype or x.dtype)
 
 
 class EntryFinish(NamedTuple):

@@ -298,3 +298,21 @@ def nvfp4_decode(data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
     n, d = v.shape
     g = _bytes_as(global_scale, torch.float32).view(n)
     return (v.view(n, d // 16, 16) * _nvfp4_group_scale(scale, g)).view(n, d)
+
+
+# ------------------------------------------------------------------ indexer queries
+#: codecs whose rounding the indexer queries take (the keys' format; fp32 keys: queries unrounded)
+_QUERY_CODECS = {"mxfp4": (mxfp4_encode, mxfp4_decode), "fp8": (fp8_encode, fp8_decode),
+                 "nvfp4": (nvfp4_encode, nvfp4_decode), "bf16_i": (bf16_encode, bf16_decode)}
+
+
+def round_query(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Indexer queries [..., D] (already in the keys' stored basis) -> fp32 decode(encode(x)) in the
+    indexer-key format `name`, per row of D: DeepSeek-V4's indexer multiplies FP4 queries by FP4 keys
+    (its QK path was trained quantisation-aware), so a query is rounded exactly as a key of the same
+    format is. "fp32_i": x as fp32, unchanged."""
+    if name not in _QUERY_CODECS:
+        return x.float()
+    encode, decode = _QUERY_CODECS[name]
+    d = x.shape[-1]
+    return decode(*encode(x.reshape(-1, d))).view(x.shape)

@@ -28,7 +28,7 @@ from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
 from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.triton.decode_common import pdl
-from dsv4.kernels.triton.encode import _FORMAT_ID, _encode_row
+from dsv4.kernels.triton.encode import FORMAT_ID, _encode_row
 from dsv4.kernels.triton.hadamard import fwht_constants
 
 Views = dict[str, torch.Tensor]
@@ -200,10 +200,10 @@ def _p2(n: int) -> int:
 
 def _format_meta(fmt: EntryFormat) -> dict[str, int]:
     """Constexpr parameters of `_encode_row` for `fmt`."""
-    if fmt.name not in _FORMAT_ID:
+    if fmt.name not in FORMAT_ID:
         raise FormatError(f"the Triton cache writes do not know format {fmt.name!r}")
     sb = fmt.regions[1].bytes_per_entry if fmt.name == "fp8_ds" else 0
-    fid = _FORMAT_ID[fmt.name]
+    fid = FORMAT_ID[fmt.name]
     if fmt.hadamard and (fid < 3 or fmt.dim & (fmt.dim - 1)):
         raise FormatError(f"the Triton cache writes rotate only power-of-two indexer rows, not {fmt.name}-{fmt.dim}")
     return {"FMT": fid, "D": fmt.dim, "D_P2": _p2(fmt.dim), "ROPE": fmt.rope_dim,

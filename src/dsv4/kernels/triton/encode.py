@@ -18,8 +18,8 @@ from dsv4.kernels.triton.hadamard import fwht_rows
 
 # Format ids (constexpr in the kernels); the indexer's bf16_i / fp32_i store like bf16 / fp32.
 _FP8_DS, _BF16, _FP32, _MXFP4, _FP8, _NVFP4 = range(6)
-_FORMAT_ID = {"fp8_ds": _FP8_DS, "bf16": _BF16, "bf16_i": _BF16, "fp32": _FP32, "fp32_i": _FP32,
-              "mxfp4": _MXFP4, "fp8": _FP8, "nvfp4": _NVFP4}
+FORMAT_ID = {"fp8_ds": _FP8_DS, "bf16": _BF16, "bf16_i": _BF16, "fp32": _FP32, "fp32_i": _FP32,
+             "mxfp4": _MXFP4, "fp8": _FP8, "nvfp4": _NVFP4}
 
 
 # ====================================================================== bit-level conversions
@@ -107,6 +107,56 @@ def _e2m1_codes(v):
            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
            + (a > 5.0).to(tl.int32))
     return idx | ((bits >> 28) & 0x8)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """E2M1 code (int32 0..15) -> its fp32 value, exact (code 8 is -0.0)."""
+    mag = code & 7
+    normal = ((((mag >> 1) + 126) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e4m3_signed_value(b):
+    """e4m3fn byte (int32 0..255, no NaN) -> its fp32 value, exact."""
+    v = _e4m3_value(b & 0x7F)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the fp32 value of its bf16 rounding (nearest, ties to even)."""
+    return (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_rows(x, FMT: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+    """x [R, D] fp32 -> each row's decode(encode(row)) in indexer-key format FMT (FORMAT_ID: 1 bf16,
+    3 mxfp4, 4 fp8, 5 nvfp4), bit for bit `quant.round_query`: the row encoders' arithmetic."""
+    if FMT == 1:
+        out = round_bf16(x)
+    elif FMT == 3:
+        g = _no_nan(tl.reshape(x, (R, D // 32, 32)))
+        amax = tl.maximum(tl.max(_finite_abs(g), axis=2), 7.052966104933725e-38)   # 6 * 2^-126
+        e = _ceil_log2_ratio(amax, 3, 0x400000)                                     # 6 = 0.75 * 2^3
+        v = _e2m1_value(_e2m1_codes(g * _pow2(-e)[:, :, None])) * _pow2(e)[:, :, None]
+        out = tl.reshape(v, (R, D))
+    elif FMT == 4:
+        c = tl.math.div_rn(tl.maximum(tl.max(_finite_abs(x), axis=1), 1e-4), 448.0)
+        c2 = c[:, None] + 0.0 * x
+        out = _e4m3_signed_value(_e4m3_bits(tl.math.div_rn(_no_nan(x), c2))) * c2
+    else:
+        grp = tl.reshape(x, (R, D // 16, 16))
+        amax16 = tl.max(_finite_abs(grp), axis=2)                                   # [R, G]
+        g = tl.math.div_rn(tl.maximum(tl.max(amax16, axis=1), 1e-4), 2688.0)       # 448 * 6
+        s = _e4m3_bits(tl.math.div_rn(amax16, 6.0 * g[:, None] + 0.0 * amax16))
+        s = tl.where(s == 0, 1, s)                                                  # 0x01 = 2^-9
+        sg = (_e4m3_value(s) * g[:, None])[:, :, None] + 0.0 * grp
+        v = _e2m1_value(_e2m1_codes(tl.math.div_rn(_no_nan(grp), sg))) * sg
+        out = tl.reshape(v, (R, D))
+    return out
 
 
 @triton.jit

@@ -24,12 +24,13 @@ H200, 128K, bf16x2: B = 64 462 -> 239 µs, B = 1 22.0 -> 11.5 µs, same accuracy
 max relative error against fp32; top-512 overlap with the fp32 reference 1.0000 for both).
 scan=False forces the kernel below.
 
-Precision: see `decode_common`. Default "bf16x2" (q split into two bf16 parts, keys exact: ~3e-6
-relative on V4 shapes) for quantised and bf16 keys, "ieee" for fp32 keys. "bf16" (one dot, q
-rounded to bf16) halves the tensor-core work and is 1.2-1.7x faster, but its ~2e-3 relative score
-error moves near-tied top-k picks (V4 shapes: 99.7% of the reference's top-512 kept; a tiny-model
-layer then differs from the reference path by 3.7% rel-L2, over the 2% its test allows): opt in
-with precision="bf16". Measurements: benchmarks/NOTES.md.
+Precision: see `decode_common`. Defaults (DEFAULT_PRECISION): "bf16" for mxfp4 and bf16 keys,
+whose queries arrive rounded to the keys' format (`EntryFormat.round_query`; DeepSeek-V4 scores FP4
+queries against FP4 keys), so both operands are exact in bf16 and one dot gives the scores to fp32
+rounding; "bf16x2" (q split into two bf16 parts: ~3e-6 relative) for fp8 and nvfp4 keys, whose
+rounded queries keep an fp32 scale; "ieee" for fp32 keys. An unrounded query at "bf16" carries
+bf16's ~2e-3 relative error into the scores, enough to move near-tied top-k picks.
+Measurements: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ _IDX_FMT = {"fp32_i": 0, "bf16_i": 1, "fp8": 2, "mxfp4": 3, "nvfp4": 4}
 _FP8: tl.constexpr = tl.constexpr(2)
 _MXFP4: tl.constexpr = tl.constexpr(3)
 _NVFP4: tl.constexpr = tl.constexpr(4)
-#: default precision for quantised (and bf16) keys; fp32 keys always default to "ieee"
-DEFAULT_PRECISION = "bf16x2"
+#: default precision per key format. mxfp4 and bf16 keys take queries rounded to their own format
+#: (`EntryFormat.round_query`, which `Indexer.queries` applies): both operands are then exact in bf16
+#: and one bf16 dot with fp32 accumulation gives the scores to fp32 rounding. fp8 / nvfp4 queries
+#: carry an fp32 scale that bf16 does not hold: bf16x2. fp32 keys: ieee.
+DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
 @triton.jit
@@ -138,8 +142,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         idx_views: the indexer pool's region views {name: [num_blocks, epb, bytes] uint8}.
         block_table: [B, max_blocks] int32; num_entries: [B] int (visible entries).
         max_entries: static width N of the output; epb: entries per block.
-        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: ieee for fp32 keys, else
-            DEFAULT_PRECISION).
+        precision: "ieee" | "tf32x3" | "bf16" | "bf16x2" (default: DEFAULT_PRECISION[fmt.name]; its
+            "bf16" is exact only for queries rounded by `fmt.round_query`).
         block_n, num_programs, num_warps, num_stages, decode: tile of keys, programs per request,
             warps, pipeline depth, E2M1 decode variant (tuning).
         scan, prefetch, keys_m: E2M1 keys (mxfp4, nvfp4) at bf16 / bf16x2 run `indexer_scan` (keys on
@@ -155,7 +159,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     out = torch.empty(bsz, max_entries, dtype=torch.float32, device=q.device)
     if bsz == 0 or max_entries == 0:
         return out
-    prec = precision_id(precision, "ieee" if fmt.name == "fp32_i" else DEFAULT_PRECISION)
+    prec = precision_id(precision, DEFAULT_PRECISION[fmt.name])
     cuda = q.device.type == "cuda"
     # sm_90 compile (H 64, D_I 128): bf16x2 BLOCK_N 64 / 4 warps ~120 registers, no spill (H200:
     # 4 warps 1.5-1.8x faster than 8); the fp32 FMA dot of "ieee" needs BLOCK_N 16 and 8 warps to

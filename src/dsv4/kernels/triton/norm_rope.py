@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import InputError
+from dsv4.kernels.triton.encode import FORMAT_ID, round_bf16, round_rows
 from dsv4.kernels.triton.hadamard import fwht_constants, fwht_rows
 
 
@@ -24,7 +25,7 @@ from dsv4.kernels.triton.hadamard import fwht_constants, fwht_rows
 def _norm_rope_kernel(x_ptr, x_s0, x_s1, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
                       D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       NORMALIZE: tl.constexpr, WEIGHTED: tl.constexpr, INVERSE: tl.constexpr, HAD: tl.constexpr,
-                      LOG_D: tl.constexpr, HSCALE: tl.constexpr):
+                      LOG_D: tl.constexpr, HSCALE: tl.constexpr, ROUND: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rmask = rows < n_rows
     p = tl.arange(0, BLOCK_P)                       # pair index
@@ -58,20 +59,26 @@ def _norm_rope_kernel(x_ptr, x_s0, x_s1, w_ptr, cos_ptr, sin_ptr, out_ptr, n_row
         even = new_even
     if HAD:     # rows times H_D: pairs joined back into element order (D a power of two: no padding)
         x = fwht_rows(tl.reshape(tl.join(even, odd), (BLOCK_ROWS, D)), BLOCK_ROWS, D, LOG_D, HSCALE)
+        if ROUND >= 0:
+            x = round_rows(x, ROUND, BLOCK_ROWS, D)
         k = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(out_ptr + k, x.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (k >= 0))
     else:
+        if ROUND >= 0:      # bf16 only (every other rounded format is Hadamard-rotated): elementwise
+            even = round_bf16(even)
+            odd = round_bf16(odd)
         tl.store(out_ptr + base, even.to(out_ptr.dtype.element_ty), mask=m)
         tl.store(out_ptr + base + 1, odd.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
               normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None,
-              hadamard: bool = False) -> torch.Tensor:
+              hadamard: bool = False, round_to: str | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`. x may have any token and head
     strides (a column slice of a wider projection is read in place); channels must be contiguous.
     hadamard: the butterfly of `hadamard.fwht_rows` after the rotation (bit for bit the reference's
-    `quant.fwht` of the same rows), one kernel where the matmul took a second."""
+    `quant.fwht` of the same rows), one kernel where the matmul took a second. round_to: then
+    `encode.round_rows` (bit for bit `quant.round_query`) in the same kernel."""
     d = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     if x.stride(-1) != 1:
@@ -83,12 +90,15 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     half_r = cos.shape[-1]
     if hadamard and d & (d - 1):
         raise InputError(f"norm_rope(hadamard=True) needs a power-of-two row size, got {d}")
+    rnd = -1 if round_to in (None, "fp32_i") else FORMAT_ID[round_to]
+    if rnd >= 0 and not hadamard and round_to != "bf16_i":
+        raise InputError(f"norm_rope(round_to={round_to!r}) rounds Hadamard-rotated rows (hadamard=True)")
     block_rows = 4
     _norm_rope_kernel[(triton.cdiv(n_rows, block_rows),)](
         x, x.stride(0), x.stride(1) if x.dim() == 3 else 0, weight if weight is not None else x,
         cos.float().contiguous(), sin.float().contiguous(), out, n_rows, heads, eps, D=d, HALF_R=half_r,
         BLOCK_P=triton.next_power_of_2(d // 2), BLOCK_ROWS=block_rows, NORMALIZE=normalize,
-        WEIGHTED=weight is not None, INVERSE=inverse, HAD=hadamard, **fwht_constants(d))
+        WEIGHTED=weight is not None, INVERSE=inverse, HAD=hadamard, ROUND=rnd, **fwht_constants(d))
     return out
 
 
