@@ -146,8 +146,9 @@ def indexer_scores(cfg: DSV4Config, layer: int, weights: dict[str, torch.Tensor]
     """CSA lightning-indexer scores I[t, w] in float64 (DESIGN §3), -inf where w is not yet visible.
 
     Built from `dsv4.reference.dense`'s compressor and RoPE. indexer_format: if given, the keys go
-    through that storage format's writer and reader (and queries into its stored basis, e.g. the
-    Hadamard rotation of mxfp4), i.e. the scores the quantised cache gives in exact arithmetic.
+    through that storage format's writer and reader, and queries into its stored basis (e.g. the
+    Hadamard rotation of mxfp4) rounded as its keys are (`EntryFormat.round_query`, as the layer
+    does), i.e. the scores the quantised cache gives in exact arithmetic.
     """
     from dsv4.cache.formats import indexer_format as make_format
     from dsv4.reference import dense
@@ -167,7 +168,7 @@ def indexer_scores(cfg: DSV4Config, layer: int, weights: dict[str, torch.Tensor]
     if indexer_format is not None:
         fmt = make_format(indexer_format, dim)
         keys = fmt.roundtrip(keys.float()).double()
-        q = fmt.to_stored_basis(q.float()).double()
+        q = fmt.round_query(fmt.to_stored_basis(q.float())).double()
     score = (torch.einsum("thd,wd->thw", q, keys).relu() * g[..., None]).sum(1) * dim ** -0.5
     visible = torch.arange(keys.shape[0])[None, :] < ((pos + 1) // m)[:, None]
     return score.masked_fill(~visible, float("-inf"))
