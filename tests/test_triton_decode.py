@@ -118,6 +118,22 @@ def test_indexer_scores_formats(fmt, heads):
         close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_indexer_scores_raw_weights(fmt):
+    """weights given as the layer's raw projection (bf16 columns of a wider row, read in place) with
+    weight_scale: the same scores, bit for bit, as weights.float() * weight_scale passed in fp32."""
+    args = list(scores_args("tiny", fmt, TINY_LENS, 16))
+    wide = torch.randn(args[1].shape[0], 40, device=DEVICE).to(torch.bfloat16)
+    raw = wide[:, 7:23]                                                # [B, 16], row stride 40
+    g = raw.float() * 0.25
+    for impl in (tri, ref):
+        a = impl.paged_indexer_scores(*args[:1], raw, *args[2:], 0.25)
+        b = impl.paged_indexer_scores(*args[:1], g, *args[2:])
+        assert torch.equal(a, b), impl
+    close(tri.paged_indexer_scores(*args[:1], raw, *args[2:], 0.25),
+          ref.paged_indexer_scores(*args[:1], raw, *args[2:], 0.25), scores_tol(fmt))
+
+
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3", "bf16x2", "bf16"])
 def test_indexer_scores_real_dims(precision):
     args = scores_args("real", "mxfp4", REAL_LENS, 16)

@@ -62,7 +62,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         if comp is not None:
             assert pool is not None, "compressed layers have a paged pool"
             epb = sch.entries_per_block
-            ereq = torch.arange(b.num_requests, device=dev)
+            ereq = b.token_request           # one token per request: entry i is request i's (no arange kernel)
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
             # the writes apply kv_norm and RoPE at w*m themselves
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
@@ -71,7 +71,6 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                 keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
                 ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
                                   idx.finisher(blk.rope, dev))
-                g = idx.weights(proj["iw"])
     q_up = blk.query_up(blk.q_residual(proj, ops))
     if table_ready is not None:
         main.wait_event(table_ready)
@@ -91,8 +90,10 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
 
     if comp is not None:
         if csa:
-            scores = ops.paged_indexer_scores(qi, g, pool.indexer, sch.indexer_format, b.block_table, num_entries,
-                                              max_entries, sch.entries_per_block)
+            # the raw weights_proj columns and their scale: g is formed in the scorer (no conversion kernels)
+            scores = ops.paged_indexer_scores(qi, proj["iw"], pool.indexer, sch.indexer_format, b.block_table,
+                                              num_entries, max_entries, sch.entries_per_block,
+                                              comp.indexer.weight_scale)
             indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
     return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,

@@ -47,9 +47,15 @@ class Indexer(Compressor):
         return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32, hadamard=fmt.hadamard,
                              round_to=fmt.name)
 
+    @property
+    def weight_scale(self) -> float:
+        """g = weights_proj(x) * H_I^-1/2: the factor (decode passes it to the scorer with the raw
+        projection, which the kernel reads in place)."""
+        return self.heads ** -0.5
+
     def weights(self, w: torch.Tensor) -> torch.Tensor:
         """g = weights_proj(x) * H_I^-1/2 [T, H_I] fp32, from w = weights_proj(x)."""
-        return w.float() * self.heads ** -0.5
+        return w.float() * self.weight_scale
 
     def select(self, iq: torch.Tensor, w: torch.Tensor, cache: LayerCacheHandle, cos: torch.Tensor,
                sin: torch.Tensor, ops: types.SimpleNamespace) -> torch.Tensor:

@@ -65,12 +65,14 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
 
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
-                         block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int
-                         ) -> torch.Tensor:
-    """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
+                         block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int,
+                         weight_scale: float = 1.0) -> torch.Tensor:
+    """I[b, w] = sum_h g[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys, with
+    g = weights.float() * weight_scale (fp32).
 
     Args:
-        q: [B, H, D_I] fp32 in the keys' stored basis; weights: [B, H] fp32.
+        q: [B, H, D_I] fp32 in the keys' stored basis; weights: [B, H] any float dtype (e.g. the
+            layer's weights_proj output, read in place).
         num_entries: [B] visible (finished) entries; max_entries: static width N of the output.
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
@@ -83,7 +85,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     block = torch.where(valid & (block >= 0), block, torch.zeros_like(block))
     keys = read_rows(idx_views, fmt, block, w % epb)                         # [B, N, D_I]
     s = torch.einsum("bhd,bnd->bhn", q, keys).relu()
-    score = (s * weights[:, :, None]).sum(1) * q.shape[-1] ** -0.5
+    g = weights.float() * weight_scale
+    score = (s * g[:, :, None]).sum(1) * q.shape[-1] ** -0.5
     return score.masked_fill(~valid, float("-inf"))
 
 

@@ -132,7 +132,7 @@ def _decode_words(words, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.con
 def _indexer_scan_kernel(
         q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
         s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
-        num_tiles, max_entries, max_blocks, out_scale, EPB: tl.constexpr,
+        num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
         KEYS_M: tl.constexpr,
@@ -142,7 +142,7 @@ def _indexer_scan_kernel(
     step = tl.num_programs(1)
     h = tl.arange(0, BLOCK_H)
     hmask = h < H
-    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0)
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     d = tl.arange(0, D)
     if KEYS_M:      # q^T [D, H]: operand B (shared memory)
         qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
@@ -226,8 +226,8 @@ def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
 
 
 def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
-                *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool, num_warps: int,
-                num_stages: int | None, asm: bool = True):
+                weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool,
+                num_warps: int, num_stages: int | None, asm: bool = True):
     heads, dim = q.shape[1], q.shape[2]
     ge = _group_size(fmt_name)                       # elements per scale group
     extra = {"num_stages": num_stages} if num_stages else {}
@@ -235,7 +235,7 @@ def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entri
         q, weights, out, data, scale, glob, block_table, num_entries,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
-        tiles, max_entries, block_table.shape[1], dim ** -0.5, EPB=epb,
+        tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
         FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
         PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14,

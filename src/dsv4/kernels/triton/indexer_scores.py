@@ -78,14 +78,14 @@ def _e2m1(code, DECODE: tl.constexpr):
 def _indexer_scores_kernel(
         q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
         s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
-        num_tiles, max_entries, epb, max_blocks, out_scale,
+        num_tiles, max_entries, epb, max_blocks, out_scale, w_scale,
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr,
         BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
         DECODE: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     hmask = h < H
-    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0)
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     q_row = q_ptr + b * s_qb + h[:, None] * s_qh
     if FMT >= _MXFP4:   # packed E2M1: byte j holds elements 2j (low nibble) and 2j+1
         j = tl.arange(0, D // 2)[None, :]
@@ -131,14 +131,16 @@ def _indexer_scores_kernel(
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
                          block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int,
-                         *, precision: str | None = None, block_n: int | None = None,
+                         weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
-        q: [B, H, D_I] fp32 in the keys' stored basis; weights: [B, H] fp32.
+        q: [B, H, D_I] fp32 in the keys' stored basis; weights: [B, H] any float dtype, any row
+            stride (the layer's weights_proj columns, read in place); g = weights.float() * weight_scale
+            in the kernel, as the reference computes it: no conversion kernel before the scan.
         idx_views: the indexer pool's region views {name: [num_blocks, epb, bytes] uint8}.
         block_table: [B, max_blocks] int32; num_entries: [B] int (visible entries).
         max_entries: static width N of the output; epb: entries per block.
@@ -174,7 +176,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     data = typed["data"]
     scale = typed.get("scale", data)
     glob = typed.get("global", scale)          # fp8: the fp32 per-key scale; nvfp4: the global scale
-    q, weights = q.float().contiguous(), weights.float().contiguous()
+    q = q.float().contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
         sbn = block_n or (64 if cuda else 16)
         stiles = triton.cdiv(max_entries, sbn)
@@ -183,7 +186,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         sper = 16 if bsz >= 32 else (8 if bsz >= 8 else 2)
         snp = num_programs or (min(stiles, max(1, triton.cdiv(sper * sm_count(q.device), bsz))) if cuda else 2)
         k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
-                                     num_entries, stiles, max_entries, epb, fmt_name=fmt.name, prec=prec, cuda=cuda,
+                                     num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
+                                     cuda=cuda,
                                      block_n=sbn, prefetch=prefetch, keys_m=keys_m,
                                      num_warps=num_warps or 4, num_stages=num_stages)
         note_compile("indexer_scores", k)
@@ -193,7 +197,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         q, weights, out, data, scale, glob, block_table, num_entries,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
-        tiles, max_entries, epb, block_table.shape[1], dim ** -0.5,
+        tiles, max_entries, epb, block_table.shape[1], dim ** -0.5, weight_scale,
         FMT=_IDX_FMT[fmt.name], PREC=prec, NATIVE=cuda, H=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)),
         D=dim, D_PAD=triton.next_power_of_2(dim), GS=16 if fmt.name == "mxfp4" else 8, BLOCK_N=bn,
         DECODE=decode, UNIT=14 if decode == 0 else 6, UNIT_MUL=2.0 ** (14 if decode == 0 else 6),
