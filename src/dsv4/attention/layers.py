@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,12 +29,13 @@ def rms_unweighted(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups: int,
+                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """out = W_ob · concat_g(W_oa[g] · concat(o_h for h in group g)); heads grouped contiguously.
 
     Args:
         o: [T, H, D] attention outputs; w_a: [G*R_o, H*D/G] (rows g*R_o:(g+1)*R_o belong to group g);
-        w_b: [d, G*R_o].
+        w_b: [d, G*R_o]; linear: the W_ob projection (an ops namespace's `linear`).
     Returns:
         [T, d]
     """
@@ -42,7 +46,7 @@ def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups
     # output): no copy between the two GEMMs
     y = torch.empty(t, groups, wa.shape[1], dtype=o.dtype, device=o.device)
     torch.bmm(x, wa.transpose(1, 2), out=y.transpose(0, 1))
-    return y.view(t, -1) @ w_b.t()
+    return linear(y.view(t, -1), w_b)
 
 
 class FusedProjection:
@@ -73,5 +77,7 @@ class FusedProjection:
             self._fused, self._ptrs = fused, [lin.weight.data_ptr() for lin in self.linears]
         return self._fused
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.nn.functional.linear(x, self.weight()).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                 ) -> tuple[torch.Tensor, ...]:
+        """linear: the GEMM (an ops namespace's `linear`)."""
+        return linear(x, self.weight()).split(self.sizes, dim=-1)

@@ -12,7 +12,10 @@ Parameter names are transformers' `DeepseekV4Attention.state_dict()` names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4.attention.compressor import Compressor, compress_and_flush
@@ -89,17 +92,19 @@ class AttentionSubBlock(nn.Module):
         self.load_hf_state_dict(deepseek_to_hf_names(state_dict))
 
     # ------------------------------------------------------------------ forward
-    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every projection of x in one GEMM, as column views: q_a, kv; compressed layers c, z
-        (the compressor's kv_proj / gate_proj); CSA ic, iz (the indexer's), iw (its weights_proj)."""
-        return dict(zip(self._input_names, self._inputs(x)))
+    def project(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                ) -> dict[str, torch.Tensor]:
+        """Every projection of x in one GEMM (`linear`: an ops namespace's), as column views: q_a, kv;
+        compressed layers c, z (the compressor's kv_proj / gate_proj); CSA ic, iz (the indexer's), iw
+        (its weights_proj)."""
+        return dict(zip(self._input_names, self._inputs(x, linear)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> torch.Tensor:
         """x [T, d] packed in batch order -> [T, d]."""
         self._check(x, batch, cache)
         cfg = self.cfg
         ops = self._ops(cache)
-        proj = self.project(x)
+        proj = self.project(x, ops.linear)
         if self.decode_path and batch.is_decode:
             o = decode_attend(self, proj, cache, ops, x.dtype)        # inverse RoPE applied by the attention op
         else:
@@ -108,7 +113,7 @@ class AttentionSubBlock(nn.Module):
             q = self.queries(q_up, cos, sin, ops)
             o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
             o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
-        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups)
+        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups, ops.linear)
 
     def q_residual(self, proj: dict[str, torch.Tensor], ops) -> torch.Tensor:
         """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels)."""

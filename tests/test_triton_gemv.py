@@ -1,0 +1,51 @@
+"""Triton batch-1 projection (`dsv4.kernels.triton.gemv`) against the reference GEMM.
+
+Both accumulate in fp32; they differ only in summation order, so fp32 outputs agree to ~1e-6
+relative and bf16 outputs to one bf16 rounding step. Shapes cover K not a multiple of the
+kernel's K block, N not a multiple of its row block, and weight rows with a row stride wider
+than K (a column slice of a bigger matrix). CPU: the Triton interpreter on small shapes; GPU:
+the V4-Flash projections and the dispatch of `linear` (one row: the kernel; more: the GEMM).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels.reference.linear import linear as ref_linear
+from dsv4.kernels.triton import gemv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    got = gemv.gemv(x, w)
+    want = x.double() @ w.double().T
+    assert got.shape == (1, w.shape[0]) and got.dtype == x.dtype
+    tol = 2e-6 if x.dtype == torch.float32 else 2 ** -7     # bf16: one step at the largest output
+    scale = want.abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * scale, f"max error {err:.3g} > {tol * scale:.3g}"
+    torch.testing.assert_close(got.float(), ref_linear(x, w).float(), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("n,k", [(37, 1000), (16, 1024), (5, 2050), (64, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_reference(n, k, dtype):
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    _check(x, w)
+    wide = torch.randn(n, k + 24, generator=g).to(DEVICE, dtype)   # rows of a wider matrix, read in place
+    _check(x, wide[:, 10:10 + k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4160, 4096), (4096, 8192), (40960, 1024)])
+def test_gemv_v4_shapes_and_dispatch(n, k):
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    _check(x, w)
+    assert torch.equal(gemv.linear(x, w), gemv.gemv(x, w))              # one row: the kernel
+    x2 = torch.randn(2, k, device="cuda").bfloat16()
+    assert torch.equal(gemv.linear(x2, w), ref_linear(x2, w))           # two rows: the GEMM
