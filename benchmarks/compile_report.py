@@ -90,11 +90,12 @@ def captured(module: Any, name: str):
         setattr(module, name, orig)
 
 
-def report(label: str, module: Any, kname: str, call: Any) -> None:
+def report(label: str, module: Any, kname: str, call: Any, **gpu_kw: Any) -> None:
+    """gpu_kw: launch options the wrapper passes on CUDA only (e.g. num_stages), added here."""
     with captured(module, kname) as cap:
         call()
     args, kw = cap.calls[0]
-    kw = dict(kw)
+    kw = {**gpu_kw, **kw}
     if "NATIVE" in kw:          # the wrappers saw CPU tensors: compile the GPU code path
         kw["NATIVE"] = True
     print(f"{label:<60} {compile_info(cap.fn, args, kw)}", flush=True)
@@ -148,7 +149,8 @@ def main() -> int:
                               (64, 16, 8), (64, 16, 16), (16, 32, 4)]:
                 report(f"attention {kind} block_h={bh} block_n={bn} warps={w}", att, "_decode_attn_kernel",
                        lambda bh=bh, bn=bn, w=w, aargs=aargs: att.decode_attention(
-                           *aargs, block_h=bh, block_n=bn, num_warps=w, num_splits=1, precision="bf16"))
+                           *aargs, block_h=bh, block_n=bn, num_warps=w, num_splits=1, precision="bf16"),
+                       num_stages=att.NUM_STAGES)
             rope = (torch.rand(2, 32), torch.rand(2, 32))
             for r, dt in ((None, None), (rope, torch.bfloat16)):
                 with captured(tp, "_scores_kernel"):            # pass 1 launches first: intercepted too

@@ -363,12 +363,14 @@ def _finish(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
 def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
     """Default (BLOCK_H, BLOCK_N, num_warps) of decode_attention.
 
-    From sm_90 compiles (ptxas): D 512 bf16 operands with 16 heads and 8 warps fit without spills
-    at 32 keys (218 registers) and at 64 keys (221, 148 KB shared memory); 32 or 64 heads per
-    program spill. 64 keys: faster in tune_decode (CSA 21.1 vs 24.1 µs, HCA 24.8 vs 27.2) but in
-    `dsv4 bench`, the session's first code and this alternating on one H200, the HCA attention at
-    B = 1 took 24.7-24.8 µs vs 22.2-22.7 at 32 keys (the layer 122.0 vs 119.3; CSA unchanged): 32
-    stays. With enough
+    From sm_90 compiles (ptxas, num_stages 1 as launched): D 512 bf16 operands with 16 heads and 8
+    warps fit without spills at 32 keys (128 registers) and at 64 keys (180); 32 heads x 32 keys
+    fit too (177) but measured slower at B = 1 (H200, 128K: CSA 13.9 vs 11.1 µs, HCA 15.2 vs 12.5;
+    B = 4 CSA 14.2 vs 15.2, HCA 25.5 vs 22.7); 64 heads spill (255 registers, 25.6 µs at B = 1).
+    64 keys: faster in tune_decode (CSA 21.1 vs 24.1 µs, HCA 24.8 vs 27.2) but in `dsv4 bench`,
+    the session's first code and this alternating on one H200, the HCA attention at B = 1 took
+    24.7-24.8 µs vs 22.2-22.7 at 32 keys (the layer 122.0 vs 119.3; CSA unchanged): 32 stays.
+    With enough
     (request, head block) programs to fill the GPU the caller switches to 16 keys x 4 warps (H200,
     B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
