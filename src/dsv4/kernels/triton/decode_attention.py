@@ -370,9 +370,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     64 keys: faster in tune_decode (CSA 21.1 vs 24.1 µs, HCA 24.8 vs 27.2) but in `dsv4 bench`,
     the session's first code and this alternating on one H200, the HCA attention at B = 1 took
     24.7-24.8 µs vs 22.2-22.7 at 32 keys (the layer 122.0 vs 119.3; CSA unchanged): 32 stays.
-    With enough
-    (request, head block) programs to fill the GPU the caller switches to 16 keys x 4 warps (H200,
-    B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
+    With enough (request, head block) programs to fill the GPU the caller switches to 16 keys x 4
+    warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
     interpreter wants few, small tiles.
     From 8 requests of 64 heads the two-pass scheme replaces this kernel (`_use_two_pass`): its
