@@ -178,15 +178,16 @@ def main() -> int:
                    lambda views=views, fmt=fmt, d=d, fin=fin: co.write_entries(views, fmt, torch.randn(8, d), er, ei,
                                                                                b.block_table, 64, fin))
         for name, d, ratio, ov, kws in [
-                ("csa main", 512, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=2),
-                                            dict(segs=4, block_d=64, block_s=8, num_warps=4)]),
-                ("csa indexer", 128, 4, True, [dict(segs=4, block_d=128, block_s=8, num_warps=2),
-                                               dict(segs=4, block_d=32, block_s=8, num_warps=2)]),
-                ("hca", 512, 128, False, [dict(segs=2, block_d=32, block_s=128, num_warps=4),
-                                          dict(segs=2, block_d=32, block_s=64, num_warps=4)])]:
+                ("csa main", 512, 4, True, [{}, dict(block_s=8), dict(num_warps=2)]),
+                ("csa indexer", 128, 4, True, [{}, dict(block_s=4)]),
+                ("hca", 512, 128, False, [{}, dict(block_s=8), dict(split=32)])]:
             dc = 2 * d if ov else d
             state = torch.zeros(2, 3, 2 if ov else 1, d)
+            ns = 2 * ratio if ov else ratio
+            segs, block_d, most, split, warps = cmp._tiles(d, ns, True)                      # the GPU defaults
             for kw in kws:           # as the layer calls it: bf16 projections, the position bias added inside
+                kw = {**dict(segs=segs, block_d=block_d, split=split, num_warps=warps), **kw}
+                kw.setdefault("block_s", cmp._largest_pow2_divisor(ns // kw["split"], most))
                 report(f"compress {name} {kw}", cmp, "_compress_kernel",
                        lambda kw=kw, d=d, dc=dc, ratio=ratio, ov=ov, state=state: cmp.compress_update(
                            torch.randn(1024, dc).bfloat16(), torch.randn(1024, dc).bfloat16(), state,

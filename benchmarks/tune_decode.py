@@ -275,23 +275,17 @@ def prefill_compress(chunk: int = 8192) -> None:
         slots = torch.tensor([1], dtype=torch.int32, device=dev)
         nbytes = 2 * chunk * dc * 2 + (chunk // ratio) * d * 4
 
-        # (segs, block_d, block_s, num_warps); {} = the defaults
+        # (segs, block_d, block_s, split, num_warps); {} = the defaults
         variants: list[dict[str, int]] = [{}]
         if name == "csa main":
-            variants += [dict(segs=4, block_d=256, num_warps=8), dict(segs=4, block_d=64, num_warps=2),
-                         dict(segs=8, block_d=128, num_warps=8), dict(segs=4, block_d=512, num_warps=8),
-                         dict(segs=4, block_d=128, num_warps=4), dict(segs=2, block_d=128, num_warps=2),
-                         dict(segs=2, block_d=128, num_warps=1), dict(segs=2, block_d=256, num_warps=4),
-                         dict(segs=1, block_d=512, num_warps=4), dict(segs=2, block_d=512, num_warps=8),
-                         dict(segs=8, block_d=128, num_warps=4)]
+            variants += [dict(block_s=8), dict(num_warps=2), dict(num_warps=8), dict(segs=8), dict(segs=2, num_warps=2),
+                         dict(single=False)]
         elif name == "csa indexer":
-            variants += [dict(segs=8, num_warps=4), dict(segs=4, block_d=32, num_warps=1), dict(segs=16, num_warps=8),
-                         dict(segs=2, num_warps=1), dict(segs=4, num_warps=4), dict(segs=2, num_warps=2)]
+            variants += [dict(block_s=4), dict(num_warps=2), dict(segs=8), dict(segs=2, num_warps=1),
+                         dict(single=False)]
         else:
-            variants += [dict(block_d=32, block_s=128, num_warps=4), dict(block_d=64, block_s=32, num_warps=4),
-                         dict(block_d=16, block_s=128, num_warps=2), dict(block_d=128, block_s=16, num_warps=4),
-                         dict(segs=4, block_d=32, block_s=32, num_warps=4), dict(block_d=256, block_s=8, num_warps=8),
-                         dict(block_d=64, block_s=64, num_warps=8)]
+            variants += [dict(block_s=8), dict(block_s=2), dict(split=32), dict(block_d=16, num_warps=2),
+                         dict(block_d=64, num_warps=8), dict(segs=4, num_warps=8), dict(single=False)]
         sums = torch.empty(triton.cdiv(c.numel(), 4096), device=dev)
         prefill_one(name + " read floor (stream c, z)", chunk,
                     lambda c=c, z=z, sums=sums: _stream_kernel[(sums.numel(),)](c, z, sums, c.numel(), BLOCK=4096),

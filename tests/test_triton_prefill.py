@@ -34,10 +34,13 @@ def _state(r: int, p: int, d: int, dev: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap,ratio,d", [(True, 4, 64), (False, 16, 128), (False, 128, 64)])
-@pytest.mark.parametrize("tiles", [{}, dict(segs=4, block_d=32, block_s=4), dict(segs=2, block_d=64, block_s=128)])
+@pytest.mark.parametrize("tiles", [{}, dict(segs=4, block_d=32, block_s=2),
+                                   dict(segs=1, block_d=32, split=4, block_s=2),
+                                   dict(segs=2, block_d=64, split=2, block_s=1)])
 def test_compress_update_matches_reference(device, overlap, ratio, d, tiles):
     """Ragged chunks around window boundaries; tiles: several segments per program (a program's
-    segments spanning requests), channel blocks, slot tiles shorter / longer than the window."""
+    segments spanning requests), channel blocks, a window's slots in one or several groups of
+    threads, reduced one or several slots at a time."""
     dc = 2 * d if overlap else d
     # Ragged chunks starting at, inside and just before window boundaries (127/128/129, 255/256/257).
     starts = (0, 13, 127, 3, 255, 128)
@@ -82,6 +85,37 @@ def test_compress_update_bf16_views_with_bias(device, overlap, ratio, d, bias_dt
     assert torch.equal(e_tri, e_f32) and torch.equal(s_tri, s_f32)
     fin = torch.isfinite(s_ref)
     torch.testing.assert_close(s_tri[fin], s_ref[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("overlap,ratio,d", [(True, 4, 64), (False, 128, 64)])
+@pytest.mark.parametrize("start,n", [(0, 300), (127, 130), (129, 1), (254, 259)])
+@pytest.mark.parametrize("single", [True, False])
+def test_compress_update_one_request(device, overlap, ratio, d, start, n, single):
+    """A one-request chunk (a long prompt's): its ints passed as arguments (single) or read from the
+    table as in a batch; both equal the reference, the state included."""
+    dc = 2 * d if overlap else d
+    c = torch.randn(n, dc, device=device)
+    z = torch.randn(n, dc, device=device) * 3
+    slots = torch.tensor([1], device=device)
+    st = _state(2, 2 if overlap else 1, d, device)
+    s_ref, s_tri = st.clone(), st.clone()
+    e_ref, r_ref, i_ref = ref_compress.compress_update(c, z, s_ref, slots, (start,), (n,), ratio, overlap)
+    e_tri, r_tri, i_tri = tri_compress.compress_update(c, z, s_tri, slots, (start,), (n,), ratio, overlap,
+                                                       single=single)
+    assert torch.equal(r_ref, r_tri) and torch.equal(i_ref, i_tri)
+    torch.testing.assert_close(e_tri, e_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isinf(s_ref), torch.isinf(s_tri))
+    fin = torch.isfinite(s_ref)
+    torch.testing.assert_close(s_tri[fin], s_ref[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", [dict(split=3), dict(split=16), dict(block_s=3), dict(segs=3)])
+def test_compress_update_refuses_tiles_that_do_not_divide(tiles):
+    """Tiles that would leave slots or segments out are refused, not silently rounded."""
+    c = torch.randn(8, 16)
+    with pytest.raises(InputError, match="compressor tiles"):
+        tri_compress.compress_update(c, c, _state(2, 2, 8, "cpu"), torch.tensor([0]), (0,), (8,), 4, True, **tiles)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,8 +2,11 @@
 
 A segment is one (request, entry) pair touched by this step, as in the reference; a program
 takes a channel block of a few segments. It reduces each entry's slots with the online softmax,
-a tile of BLOCK_S slots at a time (a tile's max, then one merge into the running (M, S, A)),
-starting from the stored pending state for the request's first segments:
+starting from the stored pending state for the request's first segments. The slots of a window
+are dealt to SPLIT groups of threads; each slot is one [LANES, BLOCK_D] slab of a group's
+threads, so a group's running (M, S, A) take BLOCK_S slots at a time (their max, then one
+merge) with elementwise math only, and the groups merge once at the end. Reducing [slots,
+channels] tiles along the slot axis instead went through shared memory and barriers each tile.
 
     HCA entry w:  tokens w*m' .. w*m'+m'-1                 (all channels)
     CSA entry w:  [:D] of window w-1 tokens, then [D:] of window w tokens    (2m slots)
@@ -17,6 +20,8 @@ race). The others take runs of the segments in between. The host sends only per-
 (7 per request: `dsv4.kernels.compress_plan`, copied once per forward by the manager; no sync,
 no device read); each program finds its request and entry from them, and the programs of
 finished entries also write entry_request / entry_index. No per-entry host work, one launch.
+A one-request chunk (a long prompt's) passes its ints as kernel arguments instead: its
+programs' slot loads then wait on no table lookup (H200, 8K chunk: CSA main 19.5 -> 16.9 µs).
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from dsv4.kernels.compress_plan import CompressPlan, make_plan
 @triton.jit
 def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
                      stride_ct, stride_zt, stride_sr, stride_sk, stride_sp, D, B, n_mid,
+                     one_first, one_end, one_p0, one_p1,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, NPEND: tl.constexpr, B_PAD: tl.constexpr,
-                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WIDE: tl.constexpr,
-                     BIAS: tl.constexpr):
+                     LANES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr,
+                     WIDE: tl.constexpr, BIAS: tl.constexpr, SINGLE: tl.constexpr):
     """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
     NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
     middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
@@ -50,68 +56,102 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
     k = tl.arange(0, LANES)
     bnd = (q + 0 * k) < B                                                    # (vector: the interpreter)
     mid = (q - B) * LANES + k
-    r = tl.arange(0, B_PAD)
-    ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)            # mid_base[b + 1]
-    b = tl.sum((ends[None, :] <= mid[:, None]).to(tl.int32), 1)              # the request of a middle segment
-    b = tl.where(bnd, q, tl.minimum(b, B - 1))
-    row = tab_ptr + (B + 1) + b
-    first = tl.load(row)
-    end = tl.load(row + B)
-    fin_base = tl.load(row + 2 * B)
-    tok0 = tl.load(row + 3 * B)
-    p0 = tl.load(row + 4 * B)
-    p1 = tl.load(row + 5 * B)
+    if SINGLE:      # one request: its ints are arguments, so the slot loads need no table lookup first
+        b = 0 * k
+        first = one_first + 0 * k
+        end = one_end + 0 * k
+        fin_base = 0 * k
+        tok0 = 0 * k
+        p0 = one_p0 + 0 * k
+        p1 = one_p1 + 0 * k
+        mid_base = 0 * k
+    else:
+        r = tl.arange(0, B_PAD)
+        ends = tl.load(tab_ptr + 1 + r, mask=r < B, other=2147483647)        # mid_base[b + 1]
+        b = tl.sum((ends[None, :] <= mid[:, None]).to(tl.int32), 1)          # the request of a middle segment
+        b = tl.where(bnd, q, tl.minimum(b, B - 1))
+        row = tab_ptr + (B + 1) + b
+        first = tl.load(row)
+        end = tl.load(row + B)
+        fin_base = tl.load(row + 2 * B)
+        tok0 = tl.load(row + 3 * B)
+        p0 = tl.load(row + 4 * B)
+        p1 = tl.load(row + 5 * B)
+        mid_base = tl.load(tab_ptr + b)
     slot = tl.load(req_slot_ptr + b).to(tl.int64)
     nseg = end + NPEND - first
     # boundary lanes k < NPEND: segments 0.. ; k >= NPEND: the last NPEND (those not already taken)
     local_b = tl.where(k < NPEND, k, nseg - 2 * NPEND + k)
     live_b = (k < 2 * NPEND) & (local_b < nseg) & ((k < NPEND) | (local_b >= NPEND))
-    local = tl.where(bnd, local_b, NPEND + mid - tl.load(tab_ptr + b))
+    local = tl.where(bnd, local_b, NPEND + mid - mid_base)
     live = tl.where(bnd, live_b, mid < n_mid)
     w = first + local
     offs = cb * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs < D
 
     sd = live[:, None] & dmask[None, :]
-    # segments `local` < NPEND start from the stored pending entry `local`, the others empty
+    # segments `local` < NPEND start from the stored pending entry `local` (group 0), the others empty
     stored = sd & (local < NPEND)[:, None]
     base = state_ptr + slot[:, None] * stride_sr + local[:, None] * stride_sp + offs[None, :]
-    m = tl.load(base, mask=stored, other=float("-inf"))
-    s = tl.load(base + stride_sk, mask=stored, other=0.0)
-    a = tl.load(base + 2 * stride_sk, mask=stored, other=0.0)
+    g = tl.arange(0, SPLIT)[:, None, None]
+    m = tl.where(g == 0, tl.load(base, mask=stored, other=float("-inf"))[None, :, :], float("-inf"))
+    s = tl.where(g == 0, tl.load(base + stride_sk, mask=stored, other=0.0)[None, :, :], 0.0)
+    a = tl.where(g == 0, tl.load(base + 2 * stride_sk, mask=stored, other=0.0)[None, :, :], 0.0)
     # slot j: OVERLAP -> j < m: [:D] of token (w-1)*m + j, j >= m: [D:] of token w*m + j - m
     #         else    -> token w*m + j
     NS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
+    GS: tl.constexpr = NS // SPLIT
     if OVERLAP:
-        pos0 = (w - 1) * RATIO
+        pos0 = ((w - 1) * RATIO)[None, :, None]
     else:
-        pos0 = w * RATIO
-    for s0 in tl.static_range(0, NS, BLOCK_S):
-        j = s0 + tl.arange(0, BLOCK_S)
-        pos = pos0[:, None] + j[None, :]                                     # [LANES, BLOCK_S]
-        ok = live[:, None] & (j < NS)[None, :] & (pos >= p0[:, None]) & (pos < p1[:, None])
-        t = tok0[:, None] + pos - p0[:, None]
-        if WIDE:
-            t = t.to(tl.int64)
-        if OVERLAP:
-            col = offs[None, None, :] + D * (j[None, :, None] >= RATIO).to(tl.int32)
-        else:
-            col = offs[None, None, :] + 0 * j[None, :, None]
-        msk = ok[:, :, None] & dmask[None, None, :]
-        t3 = t[:, :, None]
-        z = tl.load(z_ptr + t3 * stride_zt + col, mask=msk, other=float("-inf")).to(tl.float32)
-        if BIAS:   # loaded in z's layout, every lane the same (cached) row: a shared [1, BLOCK_S, BLOCK_D]
-            # tile is converted through shared memory and measured 2-4x slower (H200, 8K chunk)
-            z += tl.load(zb_ptr + (j % RATIO)[None, :, None] * (NS // RATIO) * D + col + 0 * t3, mask=msk,
-                         other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + t3 * stride_ct + col, mask=msk, other=0.0).to(tl.float32)
-        m2 = tl.maximum(m, tl.max(z, axis=1))
-        ms = tl.where(m2 == float("-inf"), 0.0, m2)            # no slot yet: keep exp finite
+        pos0 = (w * RATIO)[None, :, None]
+    live3, p0_3, p1_3, tok0_3 = live[None, :, None], p0[None, :, None], p1[None, :, None], tok0[None, :, None]
+    dmask3 = dmask[None, None, :]
+    for j0 in tl.static_range(0, GS, BLOCK_S):
+        # BLOCK_S slots of every group, each one [SPLIT, LANES, BLOCK_D] slab: the running (m, s, a)
+        # of a group stay in its threads (elementwise max / exp / sums, no reduction across threads)
+        zs = ()
+        cs = ()
+        for jj in tl.static_range(BLOCK_S):
+            j = g * GS + (j0 + jj)                                              # [SPLIT, 1, 1]
+            pos = pos0 + j
+            msk = live3 & (pos >= p0_3) & (pos < p1_3) & dmask3
+            t = tok0_3 + pos - p0_3
+            if WIDE:
+                t = t.to(tl.int64)
+            if OVERLAP:
+                col = offs[None, None, :] + D * (j >= RATIO).to(tl.int32)
+            else:
+                col = offs[None, None, :] + 0 * j
+            z = tl.load(z_ptr + t * stride_zt + col, mask=msk, other=float("-inf")).to(tl.float32)
+            if BIAS:   # loaded per lane (the same cached row): a shared [1, BLOCK_D] row is converted
+                # through shared memory, measured 2-4x slower (H200, 8K chunk)
+                z += tl.load(zb_ptr + (j % RATIO) * (NS // RATIO) * D + col + 0 * t, mask=msk,
+                             other=0.0).to(tl.float32)
+            zs = zs + (z,)
+            cs = cs + (tl.load(c_ptr + t * stride_ct + col, mask=msk, other=0.0).to(tl.float32),)
+        m2 = m
+        for jj in tl.static_range(BLOCK_S):
+            m2 = tl.maximum(m2, zs[jj])
+        ms = tl.where(m2 == float("-inf"), 0.0, m2)                          # no slot yet: keep exp finite
         keep = tl.where(m == float("-inf"), 0.0, tl.exp(m - ms))
-        e = tl.where(msk, tl.exp(z - ms[:, None, :]), 0.0)
-        s = s * keep + tl.sum(e, axis=1)
-        a = a * keep + tl.sum(c * e, axis=1)
+        s = s * keep
+        a = a * keep
+        for jj in tl.static_range(BLOCK_S):
+            e = tl.exp(zs[jj] - ms)                                             # masked slots: exp(-inf) = 0
+            s += e
+            a += cs[jj] * e
         m = m2
+    if SPLIT == 1:      # one group: the merge is the identity
+        m = tl.max(m, axis=0)
+        s = tl.sum(s, axis=0)
+        a = tl.sum(a, axis=0)
+    else:
+        mf = tl.max(m, axis=0)
+        wg = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(mf == float("-inf"), 0.0, mf)[None, :, :]))
+        m = mf
+        s = tl.sum(s * wg, axis=0)
+        a = tl.sum(a * wg, axis=0)
     # finished: entry row fin_base + local, in (request, w) order
     fin = live & (w < end)
     dst = (fin_base + local).to(tl.int64)
@@ -134,12 +174,15 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
                     start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
                     *, z_bias: torch.Tensor | None = None, plan: CompressPlan | None = None,
                     segs: int | None = None, block_d: int | None = None, block_s: int | None = None,
-                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    split: int | None = None, num_warps: int | None = None, single: bool = True,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as `dsv4.kernels.reference.compress.compress_update`. plan: the batch's
     launch table for this compressor kind (`ForwardBatch.compress_plans`, planned and copied once
     per forward by the manager); without one the table is planned here and copied (one pinned
     asynchronous copy per call). Tuning: segs middle entries per program, a power of two; block_d
-    channels per program, block_s slots per load, num_warps. The state is updated in place by the
+    channels per program; split groups of threads per window (a power of two dividing its slots),
+    each reducing its share of the slots block_s at a time (a divisor of the share); num_warps;
+    single=False: a one-request batch read from the table as any other (testing). The state is updated in place by the
     kernel: one launch, nothing after it; c and z are read as they come (bf16 projections in
     place, the bias added in the kernel)."""
     dev, d = c.device, state.shape[-1]
@@ -161,17 +204,22 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     ns = 2 * ratio if overlap else ratio
     cfg = _tiles(d, ns, cuda)
     segs, block_d = segs or cfg[0], block_d or cfg[1]
-    block_s, warps = block_s or cfg[2], num_warps or cfg[3]
-    assert segs & (segs - 1) == 0, "segs is a power of two"
+    split, warps = split or cfg[3], num_warps or cfg[4]
+    block_s = block_s or _largest_pow2_divisor(ns // split if ns % split == 0 else 1, cfg[2])
+    if segs & (segs - 1) or split & (split - 1) or ns % split or (ns // split) % block_s:
+        raise InputError(f"compressor tiles segs {segs}, split {split}, block_s {block_s} for {ns} slots: segs and "
+                         "split powers of two, split dividing the slots, block_s dividing slots / split")
     lanes = max(segs, 2 * npend)                               # a boundary program takes 2 npend segments
     if bsz:
         _compress_kernel[((bsz + triton.cdiv(n_mid, lanes)) * triton.cdiv(d, block_d),)](
             c, z, zb, state, entries, e_out[0], e_out[1], tab, request_slots,
             c.stride(0), z.stride(0), state.stride(0), state.stride(1), state.stride(2), d, bsz, n_mid,
+            start_positions[0] // ratio, (start_positions[0] + query_lens[0]) // ratio, start_positions[0],
+            start_positions[0] + query_lens[0],
             RATIO=ratio, OVERLAP=overlap, NPEND=npend, B_PAD=triton.next_power_of_2(max(bsz, 2)),
-            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s,
+            LANES=lanes, BLOCK_D=block_d, BLOCK_S=block_s, SPLIT=split,
             WIDE=max(c.shape[0] * c.stride(0), z.shape[0] * z.stride(0)) >= 2**31, BIAS=z_bias is not None,
-            num_warps=warps)
+            SINGLE=bsz == 1 and single, num_warps=warps)
     return entries, e_out[0], e_out[1]
 
 
@@ -181,18 +229,27 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int]:
-    """Default (segs, block_d, block_s, num_warps): CSA (2m = 8 slots) four entries x 128 channels x
-    2 warps, HCA (128 slots) two entries x 32 channels x all 128 slots x 4 warps. H200, one 8K
-    chunk of bf16 projections with the position bias added in the kernel, graph replay with the L2
-    flushed (benchmarks/tune_decode.py --prefill-only; the table copy included): CSA main 27.1 µs,
-    indexer 13.7, HCA 21.0 (fp32 inputs with the bias added beforehand, the earlier path: 35.5,
-    15.7, 23.1 for the kernel alone); the read floor of the same c and z (a stream kernel) is 17.1
-    / 9.0 / 11.2 µs. Persistent programs that load the next item's tile before reducing the
-    current one were slower (fp32 inputs: CSA main 46-54 µs, HCA 25-38).
-    The CPU interpreter wants few, small tiles."""
+def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int, int]:
+    """Default (segs, block_d, most slots at a time, split, num_warps) for ns slots per window: CSA (2m = 8
+    slots) one group of four segments x 128 channels x 4 warps (main 4 slots at a time, indexer
+    all 8), HCA (128 slots) 16 groups of 8 slots x two entries x 32 channels x 4 warps, 4 slots at
+    a time. H200, one 8K chunk of bf16 projections, one request, the position bias added in the
+    kernel, L2 flushed by a read before each call (benchmarks/NOTES.md, fourteenth round): CSA
+    main 16.6 µs, indexer 9.5, HCA 14.7 (the previous kernel, slot tiles reduced across threads:
+    23.0, 10.9, 17.4; a stream read of the same c and z: 11.6, 6.3, 8.0). Persistent programs
+    that load their next item while reducing the current one were slower (CSA main 21.9-28.2,
+    HCA 20.6-29.0: register-bound). The CPU interpreter wants few, small tiles."""
+    split = _largest_pow2_divisor(ns, 16 if ns >= 64 else 1)
     if not cuda:
-        return 1, min(triton.next_power_of_2(d), 128), min(triton.next_power_of_2(ns), 32), 4
+        return 1, min(triton.next_power_of_2(d), 128), 8, split, 4
     if ns >= 64:
-        return 2, 32, triton.next_power_of_2(ns), 4
-    return 4, 128, triton.next_power_of_2(ns), 2
+        return 2, 32, 4, split, 4
+    return 4, 128, 4 if d >= 256 else 8, split, 4
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap dividing n."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
