@@ -34,7 +34,8 @@ from dsv4.errors import InputError
 from dsv4.kernels.compress_plan import CompressPlan, make_plan
 
 
-@triton.jit
+# a one-request chunk's ints vary from chunk to chunk: no specialisation on them (one compile, not dozens)
+@triton.jit(do_not_specialize=["one_first", "one_end", "one_p0", "one_p1"])
 def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_ptr, tab_ptr, req_slot_ptr,
                      stride_ct, stride_zt, stride_sr, stride_sk, stride_sp, D, B, n_mid,
                      one_first, one_end, one_p0, one_p1,
