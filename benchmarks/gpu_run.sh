@@ -5,7 +5,7 @@
 # machine's image lacks may sit in .whl/ (carried along).
 #   TESTS="tests/..." (default: the GPU test files; SKIP_TESTS=1 skips)   TUNE_ARGS="--batches 1,64"
 #   PROFILE_ARGS="--batches 1" (benchmarks/profile_step.py: per-kernel device time of a step)
-#   BENCH_ARGS="--contexts 131072 ..."   TEST_TIMEOUT=300 TUNE_TIMEOUT=200 PROFILE_TIMEOUT=150 BENCH_TIMEOUT=400
+#   BENCH_ARGS="--contexts 131072 ..."   TEST_TIMEOUT=480 TUNE_TIMEOUT=200 PROFILE_TIMEOUT=150 BENCH_TIMEOUT=400
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 TESTS=${TESTS:-"tests/test_triton_cache_ops.py tests/test_triton_decode.py tests/test_triton_topk.py tests/test_triton_prefill.py tests/test_triton_norm_rope.py tests/test_gpu_decode.py"}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
   echo "tests exit $?"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/tests.log" | tail -25
 fi
 if [ -n "${TUNE_ARGS:-}" ]; then
