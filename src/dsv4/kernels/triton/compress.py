@@ -45,8 +45,9 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
     """Program (channel block, q): q < B is request q's boundary program, its first NPEND and last
     NPEND segments (the only ones that read or write the state); q >= B takes LANES consecutive
     middle segments. tab rows [7, B]: mid_base (B + 1 values), first, end, fin_base, tok0, p0, p1
-    (see `dsv4.kernels.compress_plan`). Per-segment quantities are [LANES] vectors; slot tiles
-    [LANES, BLOCK_S, BLOCK_D]. WIDE: element offsets into c / z need 64 bits (else 32-bit offsets:
+    (see `dsv4.kernels.compress_plan`); SINGLE: one request, its ints one_* as arguments.
+    Per-segment quantities are [LANES] vectors; a slot of every group is one [SPLIT, LANES,
+    BLOCK_D] tile. WIDE: element offsets into c / z need 64 bits (else 32-bit offsets:
     half the registers of the tile's addresses). c, z in any float dtype (fp32 math); BIAS: z gets
     zb[pos % m, column] added (slot j of a window is position j mod m)."""
     # one grid axis, channel blocks fastest: the programs running side by side read neighbouring
@@ -183,9 +184,9 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     asynchronous copy per call). Tuning: segs middle entries per program, a power of two; block_d
     channels per program; split groups of threads per window (a power of two dividing its slots),
     each reducing its share of the slots block_s at a time (a divisor of the share); num_warps;
-    single=False: a one-request batch read from the table as any other (testing). The state is updated in place by the
-    kernel: one launch, nothing after it; c and z are read as they come (bf16 projections in
-    place, the bias added in the kernel)."""
+    single=False: a one-request batch read from the table as any other (testing). The state is
+    updated in place by the kernel: one launch, nothing after it; c and z are read as they come
+    (bf16 projections in place, the bias added in the kernel)."""
     dev, d = c.device, state.shape[-1]
     npend = 2 if overlap else 1
     bsz = len(query_lens)
@@ -206,7 +207,8 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     cfg = _tiles(d, ns, cuda)
     segs, block_d = segs or cfg[0], block_d or cfg[1]
     split, warps = split or cfg[3], num_warps or cfg[4]
-    block_s = block_s or _largest_pow2_divisor(ns // split if ns % split == 0 else 1, cfg[2])
+    if not block_s and ns % split == 0:
+        block_s = _largest_pow2_divisor(ns // split, cfg[2])
     if segs & (segs - 1) or split & (split - 1) or ns % split or (ns // split) % block_s:
         raise InputError(f"compressor tiles segs {segs}, split {split}, block_s {block_s} for {ns} slots: segs and "
                          "split powers of two, split dividing the slots, block_s dividing slots / split")
