@@ -98,6 +98,8 @@ def report(label: str, module: Any, kname: str, call: Any, **gpu_kw: Any) -> Non
     kw = {**gpu_kw, **kw}
     if "NATIVE" in kw:          # the wrappers saw CPU tensors: compile the GPU code path
         kw["NATIVE"] = True
+    if "ASM" in kw:             # the scan's inline-PTX E2M1 decode (mxfp4 on CUDA)
+        kw["ASM"] = kw.get("FMT") == 3
     print(f"{label:<60} {compile_info(cap.fn, args, kw)}", flush=True)
 
 

@@ -249,6 +249,17 @@ def test_attention_real_dims_64_heads():
     close(tri.decode_attention(*args, num_splits=2, block_h=16), ref.decode_attention(*args), TOL["bf16"])
 
 
+@pytest.mark.parametrize("layer,precision", [(CSA, "bf16"), (HCA, "bf16x2")], ids=["csa-bf16", "hca-bf16x2"])
+def test_attention_two_pass_tiles(layer, precision):
+    """Two-pass scheme with pass-1 and pass-2 tiles of different sizes and three score splits."""
+    args = attention_args("real", "fp8_ds", layer, 16, (3, 129, 257), topk=48)
+    want = ref.decode_attention(*args)
+    for sbn, vbn in ((32, 16), (16, 32)):
+        out = tri.decode_attention(*args, two_pass=True, score_block_n=sbn, value_block_n=vbn, score_splits=3,
+                                   value_splits=1, precision=precision)
+        close(out, want, TOL[precision])
+
+
 @pytest.mark.parametrize("knobs", [{}, {"two_pass": True, "value_splits": 1}, {"num_splits": 1}, {"num_splits": 3},
                                    {"num_splits": 11}, {"num_splits": 37, "topk": 512}],
                          ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-11", "combine-trips"])
