@@ -110,7 +110,7 @@ mul.rn.bf16x2 $0, t, $4;
 def _decode_words(words, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
     """[N, NW, 1] words and scales -> keys [N, D] in element order (exact): fp32 from the fp16
     decode times the group scale, or (ASM, mxfp4 on the GPU) bf16 pairs from `_E2M1_PAIR_ASM`,
-    each key scaled by 2^-e_max (the score takes it back): ~2.5 instead of ~7 instructions per
+    each key scaled by 2^-e_max (the score takes it back): ~2.4 instead of ~7 instructions per
     element, and no conversion of the tile before it is stored for the dot."""
     if ASM:
         j = tl.arange(0, 4)[None, None, :]
