@@ -5,15 +5,21 @@ reference ops it is the readable twin (tests compare it with the general prefill
 
 On CUDA the step runs on two streams (a CUDA graph captures them as parallel branches):
 
-    main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] q norm/RoPE -> CSA
-           indexer queries
-    side   cos/sin -> kv norm/RoPE -> window append -> compressor(s) -> cache writes (entry
-           norm/RoPE inside) -> CSA indexer weights
-    join   -> CSA indexer scores + top-k -> attention (its split combine also applies the inverse
-           RoPE and writes the output projection's dtype)
+    main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] CSA indexer
+           queries -> [indexer keys written] CSA indexer scores + top-k; HCA: q norm/RoPE
+    side   CSA indexer compressor -> key write -> cos/sin -> kv norm/RoPE -> window append ->
+           main compressor -> entry write (entry norm/RoPE inside the writes); CSA: then, once
+           the GEMM is done, q norm/RoPE
+    join   -> attention (its split combine also applies the inverse RoPE and writes the output
+           projection's dtype)
 
 The side branch is a chain of small latency-bound kernels that would otherwise wait behind the
-GEMM; every tensor it reads stays referenced until the join.
+GEMM. What the GEMM starves waits until its first wave of programs ends, so the side branch puts
+first what the main branch needs first: the indexer keys, which the scan reads right after the
+GEMM, then the rotary table. The main entries, the window and q are read only by the attention,
+after the scan and top-k. H200, 128K, CUDA graphs: CSA layer B = 1 128.3 -> 124.2 µs, B = 64
+349.9 -> 345.9 (benchmarks/NOTES.md #80). Every tensor a branch reads stays referenced until the
+join.
 """
 
 from __future__ import annotations
@@ -28,6 +34,15 @@ from dsv4.model.layer_schedule import AttentionType
 
 if TYPE_CHECKING:
     import types
+
+def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded on `stream` now (None off CUDA)."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
 
 def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                   ops: types.SimpleNamespace, out_dtype: torch.dtype) -> torch.Tensor:
@@ -48,46 +63,57 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     side = side_stream(dev)
     if side is not None:
         side.wait_stream(main)
+    keys_ready = table_ready = None
     with on(side):
-        # The rotary table heads the side branch (only the main branch's q norm/RoPE waits for it).
-        # Side-stream tensors read by the main stream (cos, sin, g) are freed into the side stream's
+        # The side branch must be launched before the q_b GEMM fills the GPU: what the main branch
+        # waits for first goes first. The CSA indexer's keys (its compressor and key write read
+        # only x's projections) head it, because the scan waits for them right after the GEMM;
+        # the main entries and the window are read only by the attention, after scan and top-k.
+        # Side-stream tensors read by the main stream (cos, sin) are freed into the side stream's
         # pool, whose next user (the next layer's side branch) first waits for the main stream.
-        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
-        table_ready = torch.cuda.Event() if side is not None else None
-        if table_ready is not None:
-            table_ready.record(side)
-        kv = blk.window_kv(proj, cos, sin, ops)
-        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
-                          b.seq_lens)
         if comp is not None:
             assert pool is not None, "compressed layers have a paged pool"
             epb = sch.entries_per_block
             ereq = b.token_request           # one token per request: entry i is request i's (no arange kernel)
-            entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
-            # the writes apply kv_norm and RoPE at w*m themselves
-            ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
             if csa:
                 idx = comp.indexer
                 keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
                 ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
                                   idx.finisher(blk.rope, dev))
+                keys_ready = _recorded(side)
+        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
+        table_ready = _recorded(side)
+        kv = blk.window_kv(proj, cos, sin, ops)
+        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
+                          b.seq_lens)
+        if comp is not None:
+            entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
+            # the writes apply kv_norm and RoPE at w*m themselves
+            ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
     q_up = blk.query_up(blk.q_residual(proj, ops))
-    if table_ready is not None:
-        main.wait_event(table_ready)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
-    bf16_q = ops.name == "triton" and fmt.name != "fp32"
-    q = blk.queries(q_up, cos, sin, ops, out_dtype=torch.bfloat16 if bf16_q else torch.float32)
+    q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
+    if csa:
+        # the scan's queries on this stream; the attention's on the side branch, beside the scan
+        up_ready = _recorded(main)
+        with on(side):
+            if up_ready is not None:
+                side.wait_event(up_ready)
+            q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
+    if table_ready is not None:
+        main.wait_event(table_ready)
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
+    else:
+        q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     indices = num_entries = None
     max_entries = 0
     if comp is not None:
         max_entries = b.seq_len_bound // sch.compress_ratio
         num_entries = b.visible_entries[sch.compress_ratio]       # filled by prepare_forward: no kernel
-    if side is not None:
-        main.wait_stream(side)
-
+    if keys_ready is not None:
+        main.wait_event(keys_ready)
     if comp is not None:
         if csa:
             # the raw weights_proj columns and their scale: g is formed in the scorer (no conversion kernels)
@@ -96,6 +122,8 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                                               comp.indexer.weight_scale)
             indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
+    if side is not None:
+        main.wait_stream(side)
     return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
                                 pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                                 indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,

@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
 from dsv4.kernels.reference.norm_rope import EntryFinish
-from dsv4.kernels.triton.decode_common import pdl
+from dsv4.kernels.triton.decode_common import pdl, pdl_launch
 from dsv4.kernels.triton.encode import FORMAT_ID, _encode_row
 from dsv4.kernels.triton.hadamard import fwht_constants
 
@@ -223,11 +223,6 @@ def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:
     return args
 
 
-def _pdl_launch(device: torch.device) -> dict:
-    """The launch of a kernel that waits for its predecessor's results with `gdc_wait` (PDL=True)."""
-    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
-
-
 def _check_rows(fmt: EntryFormat, rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.shape[-1] != fmt.dim:
         raise FormatError(f"{fmt.name} entries have {fmt.dim} channels, got rows of shape {list(rows.shape)}")
@@ -294,7 +289,7 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
         rows, rows.stride(0), rows.stride(1), entry_request, entry_index, block_table,
         block_table.stride(0), block_table.stride(1), block_table.shape[1], epb,
         *_region_args(views, fmt, 3), *extra, **_format_meta(fmt), FINISH=finish is not None, HALF_R=half_r,
-        num_warps=_WRITE_WARPS, **_pdl_launch(rows.device))
+        num_warps=_WRITE_WARPS, **pdl_launch(rows.device))
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,

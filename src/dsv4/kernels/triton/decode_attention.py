@@ -39,6 +39,8 @@ from dsv4.kernels.triton.decode_common import (
     load_entry_tile,
     locate,
     note_compile,
+    pdl_enter,
+    pdl_launch,
     precision_id,
     rows,
     sm_count,
@@ -122,9 +124,10 @@ def _decode_attn_kernel(
         ring, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUSED: tl.constexpr):
+        FUSED: tl.constexpr, PDL: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
     else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
+    pdl_enter(PDL)
     b = tl.program_id(1)
     split = tl.program_id(2)
     n_split = tl.num_programs(2)
@@ -175,7 +178,7 @@ def _decode_attn_kernel(
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
                     H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
-                    UNROLL: tl.constexpr):
+                    UNROLL: tl.constexpr, PDL: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
     ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
     as `norm_rope`), so the layer needs no separate pass over the output. Stored in out's dtype.
@@ -188,6 +191,7 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
     [16 splits, 4, 64] tile were slower still. The rotation pairs channels in registers after the
     sum (`inverse_rope`): loading each rotated channel's partner d ^ 1 in the loop instead took the
     combine from 3.6 to 8.2 µs (CSA, B = 1)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -333,7 +337,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
-        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
+        num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}), **pdl_launch(q.device))
     note_compile("decode_attention", k)
     if n_split == 1:
         return _finish(out, rope, out_dtype)
@@ -348,7 +352,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32, num_warps=4)
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32, num_warps=4,
+        **pdl_launch(q.device))
     return out
 
 

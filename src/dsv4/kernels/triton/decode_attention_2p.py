@@ -41,6 +41,8 @@ from dsv4.kernels.triton.decode_common import (
     load_entry_tile,
     locate,
     note_compile,
+    pdl_enter,
+    pdl_launch,
     split_operand,
     split_stats,
 )
@@ -127,9 +129,11 @@ def _scores_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, ring_pad, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
-        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr):
     """Pass 1: scores[b, h, n] = log2-scaled logits (-inf where masked), pml[b, split, h] = (m, l).
     Split s takes ring tiles s, s + S, ... and compressed tile c when (n_wt + c) % S == s."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     split = tl.program_id(1)
     n_split = tl.num_programs(1)
@@ -210,12 +214,14 @@ def _values_kernel(
         ring, ring_pad, window, epb, max_blocks, n_comp,
         H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, DV: tl.constexpr,
         S: tl.constexpr, S_PAD: tl.constexpr, VS: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
-        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+        FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr):
     """Pass 2: out[b, :, slice] = sum_n 2^(s_n - M) v_n[slice] / L, M = max(m_s, sink) and
     L = sum_s 2^(m_s - M) l_s + 2^(sink - M) (the sink unscaled, as the reference). With VS > 1
     key splits (grid axis 2, tiles round-robin as pass 1's) the splits add into a zeroed out.
     ROPE: the slice's channels in the trailing 2 HALF_R get the inverse rotation RoPE_{-t}
     (interleaved pairs, as `norm_rope`; linear, so split partials may be rotated before adding)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c0 = tl.program_id(1) * (DV // 64)
     vs = tl.program_id(2)
@@ -272,16 +278,16 @@ def two_pass(out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor, keys: tupl
     pml = torch.empty(bsz, splits, heads, 2, dtype=torch.float32, device=q.device)
     wkv, wrope, wsc, ckv, crope, csc = keys
     qa = q.to(torch.bfloat16) if prec == 1 else q    # bf16 q: the dot's A operand stays in shared memory
+    if value_splits > 1:    # zeroed before pass 1: no other kernel between the passes (pass 2's PDL edge)
+        assert out.dtype == torch.float32, "value splits add into an fp32 out"
+        out.zero_()
     k = _scores_kernel[(bsz, splits)](
         qa, scores, pml, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
         qa.stride(0), qa.stride(1), scores.stride(0), scores.stride(1), *strides,
         ring, ring_pad, window, epb, max_blocks, n_comp, qk_scale,
         H=heads, HP=hp, D=dim, NOPE=nope, NCH=nch, FMT=fmt, MODE=mode, PREC=prec, NATIVE=native,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages, **pdl_launch(q.device))
     note_compile("decode_attention.scores", k)
-    if value_splits > 1:
-        assert out.dtype == torch.float32, "value splits add into an fp32 out"
-        out.zero_()
     cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)   # unread stand-ins
     k = _values_kernel[(bsz, nch * 64 // block_dv, value_splits)](
         scores, pml, sinks, out, cos, sin, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
@@ -289,5 +295,6 @@ def two_pass(out: torch.Tensor, q: torch.Tensor, sinks: torch.Tensor, keys: tupl
         ring, ring_pad, window, epb, max_blocks, n_comp,
         H=heads, HP=hp, D=dim, NOPE=nope, DV=block_dv, S=splits, S_PAD=triton.next_power_of_2(splits), VS=value_splits,
         HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None,
-        FMT=fmt, MODE=mode, PREC=prec, NATIVE=native, BLOCK_N=block_nv, num_warps=warps_v, num_stages=stages)
+        FMT=fmt, MODE=mode, PREC=prec, NATIVE=native, BLOCK_N=block_nv, num_warps=warps_v, num_stages=stages,
+        **pdl_launch(q.device))
     note_compile("decode_attention.values", k)

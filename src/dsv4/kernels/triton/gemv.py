@@ -19,12 +19,14 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.reference.linear import linear as torch_linear
+from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
 BLOCK_N, BLOCK_K, WARPS = 16, 1024, 8
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nm = rn < N
@@ -44,7 +46,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                             num_warps=WARPS)
+                                             num_warps=WARPS, **pdl_launch(x.device))
     return y
 
 

@@ -43,6 +43,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
+
 _MXFP4: tl.constexpr = tl.constexpr(3)
 _NVFP4: tl.constexpr = tl.constexpr(4)
 
@@ -138,7 +140,9 @@ def _indexer_scan_kernel(
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
         KEYS_M: tl.constexpr,
-        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr):
+        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     p0 = tl.program_id(1)
     step = tl.num_programs(1)
@@ -242,4 +246,5 @@ def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entri
         BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
         PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14,
         SCALE_T=_SCALE_WORD[dim // ge],
-        ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra)
+        ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra,
+        **pdl_launch(q.device))

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import InputError
-from dsv4.kernels.triton.decode_common import sm_count
+from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 
 _NEG_INF_KEY = -2139095041          # the key of -inf: 0xFF800000 ^ 0x7FFFFFFF as int32
 
@@ -81,13 +81,15 @@ def _digit_hist(key, valid, thr, hi, shift, NBINS: tl.constexpr, BLOCK: tl.const
 @triton.jit
 def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
                  BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
-                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr):
+                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
     and pads; else the picks in index order (a first stage). A block of elements is a [BLOCK // ROW, ROW]
     tile, ROW consecutive elements per row: the collect's scan runs along the rows in registers, then
-    over the row totals."""
+    over the row totals. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     row = s_ptr + b * s_row
@@ -262,7 +264,7 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: 
         scores, idx, out, bounds if bounds is not None else out, scores.stride(0), idx.stride(0), out.stride(0),
         n, k, chunk, nb, BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
         FINAL=final, DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=triton.next_power_of_2(nb) if nb else 0,
-        num_warps=warps)
+        num_warps=warps, **pdl_launch(scores.device))
 
 
 __all__ = ["topk_smaller_index"]
