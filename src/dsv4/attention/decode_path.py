@@ -7,9 +7,9 @@ On CUDA the step runs on two streams (a CUDA graph captures them as parallel bra
 
     main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] CSA indexer
            queries -> [indexer keys written] CSA indexer scores + top-k; HCA: q norm/RoPE
-    side   CSA indexer compressor -> key write -> cos/sin -> kv norm/RoPE -> window append ->
-           main compressor -> entry write (entry norm/RoPE inside the writes); CSA: then, once
-           the GEMM is done, q norm/RoPE
+    side   CSA indexer compressor -> key write -> cos/sin -> main compressor -> entry write
+           (entry norm/RoPE inside the writes) -> kv norm/RoPE -> window append; CSA: then,
+           once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
 
@@ -18,7 +18,7 @@ GEMM. What the GEMM starves waits until its first wave of programs ends, so the 
 first what the main branch needs first: the indexer keys, which the scan reads right after the
 GEMM, then the rotary table. The main entries, the window and q are read only by the attention,
 after the scan and top-k. H200, 128K, CUDA graphs: CSA layer B = 1 128.3 -> 124.2 µs, B = 64
-349.9 -> 345.9 (benchmarks/NOTES.md #80). Every tensor a branch reads stays referenced until the
+349.9 -> 341.0 (benchmarks/NOTES.md #80). Every tensor a branch reads stays referenced until the
 join.
 """
 
@@ -83,13 +83,13 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                 keys_ready = _recorded(side)
         cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
         table_ready = _recorded(side)
-        kv = blk.window_kv(proj, cos, sin, ops)
-        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
-                          b.seq_lens)
         if comp is not None:
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
             # the writes apply kv_norm and RoPE at w*m themselves
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
+        kv = blk.window_kv(proj, cos, sin, ops)
+        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
+                          b.seq_lens)
     q_up = blk.query_up(blk.q_residual(proj, ops))
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
