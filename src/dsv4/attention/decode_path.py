@@ -3,23 +3,25 @@
 Used for every all-decode batch. With the Triton ops it is what CUDA graphs capture; with the
 reference ops it is the readable twin (tests compare it with the general prefill path).
 
-On CUDA the step runs on two streams (a CUDA graph captures them as parallel branches):
+On CUDA the step runs on three streams (a CUDA graph captures them as parallel branches):
 
     main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] CSA indexer
            queries -> [indexer keys written] CSA indexer scores + top-k; HCA: q norm/RoPE
-    side   CSA indexer compressor -> key write -> cos/sin -> main compressor -> entry write
-           (entry norm/RoPE inside the writes) -> kv norm/RoPE -> window append; CSA: then,
-           once the GEMM is done, q norm/RoPE
+    table  cos/sin of the positions
+    side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
+           norm/RoPE inside the writes) -> [cos/sin ready] kv norm/RoPE -> window append; CSA:
+           then, once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
 
-The side branch is a chain of small latency-bound kernels that would otherwise wait behind the
-GEMM. What the GEMM starves waits until its first wave of programs ends, so the side branch puts
-first what the main branch needs first: the indexer keys, which the scan reads right after the
-GEMM, then the rotary table. The main entries, the window and q are read only by the attention,
-after the scan and top-k. H200, 128K, CUDA graphs: CSA layer B = 1 128.3 -> 124.2 µs, B = 64
-349.9 -> 341.0 (benchmarks/NOTES.md #80). Every tensor a branch reads stays referenced until the
-join.
+The branches are chains of small latency-bound kernels that would otherwise wait behind the GEMM.
+What the GEMM starves waits until its first wave of programs ends, so each branch puts first what
+the main stream needs first, and the two things it needs right after the GEMM head a branch each:
+the rotary table (the queries) and the indexer keys (the scan). The main entries, the window and
+q are read only by the attention, after the scan and top-k. H200, 128K, CUDA graphs: CSA layer
+B = 1 128.3 -> 117.7 µs, HCA 92.9 -> 88.9 (with programmatic dependent launch along the scan /
+top-k / attention chain; benchmarks/NOTES.md #80-#83). Every tensor a branch reads stays
+referenced until the join.
 """
 
 from __future__ import annotations
@@ -60,17 +62,19 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     comp = blk.compressor
     csa = sch.attn_type is AttentionType.CSA
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-    side = side_stream(dev)
+    side, table = side_stream(dev), side_stream(dev, 1)
     if side is not None:
         side.wait_stream(main)
-    keys_ready = table_ready = None
+        table.wait_stream(main)
+    with on(table):     # a branch of its own: launched before the GEMM, as is the head of the side branch
+        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
+    table_ready = _recorded(table)
+    keys_ready = None
     with on(side):
-        # The side branch must be launched before the q_b GEMM fills the GPU: what the main branch
-        # waits for first goes first. The CSA indexer's keys (its compressor and key write read
-        # only x's projections) head it, because the scan waits for them right after the GEMM;
-        # the main entries and the window are read only by the attention, after scan and top-k.
-        # Side-stream tensors read by the main stream (cos, sin) are freed into the side stream's
-        # pool, whose next user (the next layer's side branch) first waits for the main stream.
+        # Launched before the q_b GEMM fills the GPU: the CSA indexer's keys first (its compressor
+        # and key write read only x's projections; the scan waits for them right after the GEMM).
+        # Branch tensors read by the main stream (cos, sin, q) are freed into their stream's pool,
+        # whose next user (the next layer's branch) first waits for the main stream.
         if comp is not None:
             assert pool is not None, "compressed layers have a paged pool"
             epb = sch.entries_per_block
@@ -81,12 +85,12 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                 ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
                                   idx.finisher(blk.rope, dev))
                 keys_ready = _recorded(side)
-        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
-        table_ready = _recorded(side)
         if comp is not None:
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
             # the writes apply kv_norm and RoPE at w*m themselves
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
+        if table_ready is not None:
+            side.wait_event(table_ready)
         kv = blk.window_kv(proj, cos, sin, ops)
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
@@ -124,6 +128,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
             num_entries = None
     if side is not None:
         main.wait_stream(side)
+        main.wait_stream(table)
     return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
                                 pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                                 indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,

@@ -12,16 +12,17 @@ import contextlib
 
 import torch
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The device's side stream, or None off CUDA (the branch then runs in order)."""
+def side_stream(device: torch.device, which: int = 0) -> torch.cuda.Stream | None:
+    """The device's side stream number `which` (0, or 1 for a second branch beside the first), or
+    None off CUDA (the branch then runs in order)."""
     if device.type != "cuda":
         return None
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
+    if (device, which) not in _SIDE:
+        _SIDE[device, which] = torch.cuda.Stream(device)
+    return _SIDE[device, which]
 
 
 def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
