@@ -37,6 +37,7 @@ from dsv4.model.layer_schedule import AttentionType
 if TYPE_CHECKING:
     import types
 
+
 def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     """An event recorded on `stream` now (None off CUDA)."""
     if stream is None:
@@ -85,7 +86,6 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                 ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
                                   idx.finisher(blk.rope, dev))
                 keys_ready = _recorded(side)
-        if comp is not None:
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
             # the writes apply kv_norm and RoPE at w*m themselves
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
