@@ -1,9 +1,9 @@
-"""The side stream that a layer's independent chains of small kernels run on (CUDA only).
+"""The side streams that a layer's independent chains of small kernels run on (CUDA only).
 
-One stream per device, shared by every layer: a branch forks from the current stream
-(`side.wait_stream(main)`) and joins it again (`main.wait_stream(side)`) inside the same layer,
-so a CUDA graph captures the two as parallel branches. Tensors a branch allocates are freed into
-the side stream's pool; its next user (a later branch) first waits for the main stream.
+A few streams per device (`which`), shared by every layer: a branch forks from the current
+stream (`side.wait_stream(main)`) and joins it again (`main.wait_stream(side)`) inside the same
+layer, so a CUDA graph captures them as parallel branches. Tensors a branch allocates are freed
+into its stream's pool; its next user (a later branch) first waits for the main stream.
 """
 
 from __future__ import annotations
