@@ -180,9 +180,9 @@ def main() -> int:
                    lambda views=views, fmt=fmt, d=d, fin=fin: co.write_entries(views, fmt, torch.randn(8, d), er, ei,
                                                                                b.block_table, 64, fin))
         for name, d, ratio, ov, kws in [
-                ("csa main", 512, 4, True, [{}, dict(block_s=8), dict(num_warps=2)]),
+                ("csa main", 512, 4, True, [{}, dict(block_s=4), dict(num_warps=2)]),
                 ("csa indexer", 128, 4, True, [{}, dict(block_s=4)]),
-                ("hca", 512, 128, False, [{}, dict(block_s=8), dict(split=32)])]:
+                ("hca", 512, 128, False, [{}, dict(split=16, num_warps=4, block_s=4), dict(num_warps=4)])]:
             dc = 2 * d if ov else d
             state = torch.zeros(2, 3, 2 if ov else 1, d)
             ns = 2 * ratio if ov else ratio

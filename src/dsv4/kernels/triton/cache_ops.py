@@ -36,6 +36,14 @@ Views = dict[str, torch.Tensor]
 _WRITE_WARPS = 2  # a row is 0.1-2 KB: one or two warps of 16-byte stores cover it
 
 
+def _write_warps(dim: int) -> int:
+    """Warps per written row: one for rows of up to 128 channels (indexer keys), else two. A CSA
+    prefill chunk writes its indexer keys beside the main entries (2,048 rows each per 8K chunk):
+    at one warp both writes' programs are resident at once (H200, 32K-token prompt: CSA
+    compress_flush 98.5 -> 95.7 µs; the main entries at one warp: 101.3)."""
+    return 1 if dim <= 128 else _WRITE_WARPS
+
+
 @triton.jit
 def _append_window_kernel(
         kv_ptr, kv_s0, kv_s1, pos_ptr, treq_ptr, rslot_ptr, seq_ptr, swa_pos_ptr, sp_s0, sp_s1, head_ptr,
@@ -64,14 +72,9 @@ def _append_window_kernel(
 
 
 @triton.jit
-def _finish_row(x_row, xs, out_row, w_ptr, inv_ptr, eps, w, RATIO, D: tl.constexpr, HALF_R: tl.constexpr):
-    """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(x_row)) fp32: `norm_rope`'s arithmetic, the
-    rotation on the trailing 2 HALF_R channels' interleaved (even, odd) pairs with cos / sin from
-    float64 angles as `rope_cos_sin`. Only those pairs get angles: float64 cos / sin is long code
-    on the FP64 units, and it used to run for all D/2 pairs (masked to 1 / 0 outside the rope
-    part): 8x the work at D 512 (H200, 32K-token prefill: CSA compress_flush 138 -> 130 µs,
-    benchmarks/NOTES.md #66). Returns out_row once every thread's stores are visible to the
-    program (the encoders read it back)."""
+def _finish_loads(x_row, xs, w_ptr, inv_ptr, D: tl.constexpr, HALF_R: tl.constexpr):
+    """What `_finish_math` reads of one row: its nope part, the rope part's even and odd channels
+    (fp32), their RMSNorm weights and the rope pairs' inverse frequencies."""
     NOPE: tl.constexpr = D - 2 * HALF_R
     k = tl.arange(0, triton.next_power_of_2(max(NOPE, 1)))
     km = k < NOPE
@@ -80,12 +83,33 @@ def _finish_row(x_row, xs, out_row, w_ptr, inv_ptr, eps, w, RATIO, D: tl.constex
     xn = tl.load(x_row + k * xs, mask=km, other=0.0).to(tl.float32)
     even = tl.load(x_row + (NOPE + 2 * p) * xs, mask=pm, other=0.0).to(tl.float32)
     odd = tl.load(x_row + (NOPE + 2 * p + 1) * xs, mask=pm, other=0.0).to(tl.float32)
+    wn = tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32)
+    we = tl.load(w_ptr + NOPE + 2 * p, mask=pm, other=0.0).to(tl.float32)
+    wo = tl.load(w_ptr + NOPE + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
+    inv_f = tl.load(inv_ptr + p, mask=pm, other=0.0)
+    return xn, even, odd, wn, we, wo, inv_f
+
+
+@triton.jit
+def _finish_math(xn, even, odd, wn, we, wo, inv_f, out_row, eps, w, RATIO, D: tl.constexpr, HALF_R: tl.constexpr):
+    """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(row)) fp32 from `_finish_loads`: `norm_rope`'s
+    arithmetic, the rotation on the trailing 2 HALF_R channels' interleaved (even, odd) pairs with
+    cos / sin from float64 angles as `rope_cos_sin`. Only those pairs get angles: float64 cos / sin
+    is long code on the FP64 units, and it used to run for all D/2 pairs (masked to 1 / 0 outside
+    the rope part): 8x the work at D 512 (H200, 32K-token prefill: CSA compress_flush 138 -> 130
+    µs, benchmarks/NOTES.md #66). Returns out_row once every thread's stores are visible to the
+    program (the encoders read it back)."""
+    NOPE: tl.constexpr = D - 2 * HALF_R
+    k = tl.arange(0, triton.next_power_of_2(max(NOPE, 1)))
+    km = k < NOPE
+    p = tl.arange(0, triton.next_power_of_2(max(HALF_R, 1)))
+    pm = p < HALF_R
     inv = 1.0 / tl.sqrt((tl.sum(xn * xn, axis=0) + tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D
                         + eps)
-    xn = xn * inv * tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32)
-    even = even * inv * tl.load(w_ptr + NOPE + 2 * p, mask=pm, other=0.0).to(tl.float32)
-    odd = odd * inv * tl.load(w_ptr + NOPE + 2 * p + 1, mask=pm, other=0.0).to(tl.float32)
-    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * tl.load(inv_ptr + p, mask=pm, other=0.0)
+    xn = xn * inv * wn
+    even = even * inv * we
+    odd = odd * inv * wo
+    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * inv_f
     c = tl.cos(ang).to(tl.float32)
     s = tl.sin(ang).to(tl.float32)
     tl.store(out_row + k, xn, mask=km)
@@ -114,12 +138,17 @@ def _write_entries_kernel(
     req = tl.load(ereq_ptr + i).to(tl.int64)
     idx = tl.load(eidx_ptr + i).to(tl.int64)
     x_row, xs = x_ptr + i.to(tl.int64) * x_s0, x_s1
-    if FINISH:
-        x_row = _finish_row(x_row, x_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr, eps, idx, RATIO, D, HALF_R)
-        xs = 1
+    if FINISH:      # the row's loads first: they need no index
+        xn, even, odd, wn, we, wo, inv_f = _finish_loads(x_row, x_s1, w_ptr, inv_ptr, D, HALF_R)
+    # the destination while the row is in flight (after the finish, its barrier held it back: one
+    # more L2 round trip on the row's chain)
     e = tl.maximum(idx, 0)
     col = e // epb
     block = tl.load(bt_ptr + req * bt_s0 + tl.minimum(col, bt_cols - 1) * bt_s1).to(tl.int64)
+    if FINISH:
+        x_row = _finish_math(xn, even, odd, wn, we, wo, inv_f, fin_ptr + i.to(tl.int64) * D, eps, idx, RATIO, D,
+                             HALF_R)
+        xs = 1
     ok = (idx >= 0) & (col < bt_cols) & (block >= 0)           # past the table: padding as well
     page = tl.where(ok, block, 0)
     row = tl.where(ok, e % epb, 0)
@@ -289,7 +318,7 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
         rows, rows.stride(0), rows.stride(1), entry_request, entry_index, block_table,
         block_table.stride(0), block_table.stride(1), block_table.shape[1], epb,
         *_region_args(views, fmt, 3), *extra, **_format_meta(fmt), FINISH=finish is not None, HALF_R=half_r,
-        num_warps=_WRITE_WARPS, **pdl_launch(rows.device))
+        num_warps=_write_warps(fmt.dim), **pdl_launch(rows.device))
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,

@@ -234,20 +234,24 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int, int]:
     """Default (segs, block_d, most slots at a time, split, num_warps) for ns slots per window: CSA (2m = 8
-    slots) one group of four segments x 128 channels x 4 warps (main 4 slots at a time, indexer
-    all 8), HCA (128 slots) 16 groups of 8 slots x two entries x 32 channels x 4 warps, 4 slots at
-    a time. H200, one 8K chunk of bf16 projections, one request, the position bias added in the
-    kernel, L2 flushed by a read before each call (benchmarks/NOTES.md, fourteenth round): CSA
-    main 16.6 µs, indexer 9.5, HCA 14.7 (the previous kernel, slot tiles reduced across threads:
-    23.0, 10.9, 17.4; a stream read of the same c and z: 11.6, 6.3, 8.0). Persistent programs
-    that load their next item while reducing the current one were slower (CSA main 21.9-28.2,
-    HCA 20.6-29.0: register-bound). The CPU interpreter wants few, small tiles."""
-    split = _largest_pow2_divisor(ns, 16 if ns >= 64 else 1)
+    slots) one group of four segments x 128 channels x 4 warps, all 8 slots at a time; HCA (128
+    slots) 8 groups of 16 slots x two entries x 32 channels x 8 warps, 8 slots at a time.
+
+    Tuned on what the layer runs per prefill chunk (`compress_and_flush`: CSA's two compressors
+    side by side, each followed by its write; H200, a 32K prompt in 8K chunks, L2 flushed before
+    each chunk, benchmarks/NOTES.md seventeenth round): CSA 98.5 -> 95.2 µs with the main
+    compressor taking 8 slots at a time instead of 4, HCA 61.5 -> 57.3 µs with 8 groups of 8
+    warps, 8 slots at a time, instead of 16 groups of 4 warps, 4 at a time (tuned alone on one
+    chunk before, fourteenth round: CSA main 16.6 µs, indexer 9.5, HCA 14.7; a stream read of the
+    same c and z: 11.6, 6.3, 8.0). Persistent programs that load their next item while reducing
+    the current one were slower (CSA main 21.9-28.2, HCA 20.6-29.0: register-bound). The CPU
+    interpreter wants few, small tiles."""
+    split = _largest_pow2_divisor(ns, 8 if ns >= 64 else 1)
     if not cuda:
         return 1, min(triton.next_power_of_2(d), 128), 8, split, 4
     if ns >= 64:
-        return 2, 32, 4, split, 4
-    return 4, 128, 4 if d >= 256 else 8, split, 4
+        return 2, 32, 8, split, 8
+    return 4, 128, 8, split, 4
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
