@@ -39,8 +39,8 @@ _WRITE_WARPS = 2  # a row is 0.1-2 KB: one or two warps of 16-byte stores cover 
 def _write_warps(dim: int) -> int:
     """Warps per written row: one for rows of up to 128 channels (indexer keys), else two. A CSA
     prefill chunk writes its indexer keys beside the main entries (2,048 rows each per 8K chunk):
-    at one warp both writes' programs are resident at once (H200, 32K-token prompt: CSA
-    compress_flush 98.5 -> 95.7 µs; the main entries at one warp: 101.3)."""
+    at one warp more of both writes' programs are resident at once (H200, 32K-token prompt: CSA
+    compress_flush 98.6 / 98.7 -> 96.1 / 95.7 µs; the main entries at one warp too: 101.2 / 101.5)."""
     return 1 if dim <= 128 else _WRITE_WARPS
 
 

@@ -239,13 +239,13 @@ def _tiles(d: int, ns: int, cuda: bool) -> tuple[int, int, int, int, int]:
 
     Tuned on what the layer runs per prefill chunk (`compress_and_flush`: CSA's two compressors
     side by side, each followed by its write; H200, a 32K prompt in 8K chunks, L2 flushed before
-    each chunk, benchmarks/NOTES.md seventeenth round): CSA 98.5 -> 95.2 µs with the main
-    compressor taking 8 slots at a time instead of 4, HCA 61.5 -> 57.3 µs with 8 groups of 8
-    warps, 8 slots at a time, instead of 16 groups of 4 warps, 4 at a time (tuned alone on one
-    chunk before, fourteenth round: CSA main 16.6 µs, indexer 9.5, HCA 14.7; a stream read of the
-    same c and z: 11.6, 6.3, 8.0). Persistent programs that load their next item while reducing
-    the current one were slower (CSA main 21.9-28.2, HCA 20.6-29.0: register-bound). The CPU
-    interpreter wants few, small tiles."""
+    each chunk, `benchmarks/tune_prefill.py`, NOTES.md seventeenth round): CSA 96.1 / 95.7 -> 94.4 /
+    94.8 µs with the main compressor taking 8 slots at a time instead of 4, HCA 61.4-61.6 ->
+    57.2-57.4 µs with 8 groups of 8 warps, 8 slots at a time, instead of 16 groups of 4 warps, 4
+    at a time; the neighbouring tiles measured slower (tuned alone on one chunk before, fourteenth
+    round: CSA main 16.6 µs, indexer 9.5, HCA 14.7; a stream read of the same c and z: 11.6, 6.3,
+    8.0). Persistent programs that load their next item while reducing the current one were slower
+    (CSA main 21.9-28.2, HCA 20.6-29.0: register-bound). The CPU interpreter wants few, small tiles."""
     split = _largest_pow2_divisor(ns, 8 if ns >= 64 else 1)
     if not cuda:
         return 1, min(triton.next_power_of_2(d), 128), 8, split, 4
