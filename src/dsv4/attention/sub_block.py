@@ -109,7 +109,7 @@ class AttentionSubBlock(nn.Module):
             o = decode_attend(self, proj, cache, ops, x.dtype)        # inverse RoPE applied by the attention op
         else:
             cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
-            q_up = self.query_up(self.q_residual(proj, ops))
+            q_up = self.query_up(self.q_residual(proj, ops), ops.linear)
             q = self.queries(q_up, cos, sin, ops)
             o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops)
             o = ops.norm_rope(o, None, cfg.rms_norm_eps, cos, sin, normalize=False, inverse=True, out_dtype=x.dtype)
@@ -121,9 +121,11 @@ class AttentionSubBlock(nn.Module):
         none = q_a.new_empty(q_a.shape[0], 0, dtype=torch.float32)
         return ops.norm_rope(q_a, self.q_a_norm.weight, self.cfg.rms_norm_eps, none, none)
 
-    def query_up(self, q_res: torch.Tensor) -> dict[str, torch.Tensor]:
-        """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM."""
-        return dict(zip(self._q_up_names, self._q_up(q_res)))
+    def query_up(self, q_res: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                 ) -> dict[str, torch.Tensor]:
+        """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM (`linear`: an ops
+        namespace's)."""
+        return dict(zip(self._q_up_names, self._q_up(q_res, linear)))
 
     def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
