@@ -2,14 +2,14 @@
 of a batch-1 decode step.
 
 A batch-1 projection reads its weight once and does nothing else: it is a stream over W. Here
-each program takes BLOCK_N whole rows of W (contiguous K) and walks K in BLOCK_K steps, an fp32
-dot per row; no split-K, so no second kernel to reduce partial sums. cuBLAS picks split-K
+each program takes BLOCK_N whole rows of W (contiguous K) and walks K in BLOCK_K steps, fp32
+products summed per row; no split-K, so no second kernel to reduce partial sums. cuBLAS picks split-K
 kernels plus a reduction kernel for the wide-K projections of V4-Flash (K 4096 / 8192).
 
-Measured (H200, bf16, one call with the L2 flushed, triton.testing.do_bench): the CSA layer's
+First measured (H200, bf16, one call with the L2 flushed, triton.testing.do_bench): the CSA layer's
 fused input projection (N 4160, K 4096) 16.7 µs vs cuBLAS 19.3; the output projection (N 4096,
-K 8192) 26.4 vs 29.2. The grouped o_a bmm stays on cuBLAS (as fast as these tiles). For the
-tiles of the q up-projection see `_tiles`.
+K 8192) 26.4 vs 29.2, at the tiles of that time. The tiles now, and the q up-projection's, are in
+`_tiles`. The grouped o_a bmm stays on cuBLAS (these tiles are no faster there).
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 def _tiles(k: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, warps, stages, 2-D accumulator) for a reduction of length k.
 
-    H200, bf16, CUDA-graph replays with the L2 flushed (benchmarks/tune_gemv.py): the wide-K
-    projections (K 4096 / 8192) are fastest at 16 rows x 1024 x 8 warps, each step's products
-    summed right away (a [16, 1024] accumulator costs registers: 18.5 vs 16.7 µs for N 4160 K 4096);
-    the q up-projection (K 1024, N 40960) at 16 x 256 x 4 warps, 4 stages, products summed in a
-    [16, 256] accumulator and reduced once (30.0 vs 31.4 µs; cuBLAS 31.3)."""
+    H200, bf16, CUDA-graph replays with the L2 flushed (benchmarks/tune_gemv.py, µs, two rounds):
+    K 4096 / 8192 at 4 rows x 1024 x 4 warps, the products summed in a [4, 1024] accumulator and
+    reduced once: CSA input projection (N 4160) 12.9-13.0, HCA's (N 2560) 10.2-10.3, W_ob (N 4096,
+    K 8192) 19.9-20.1; 16 rows x 1024 x 8 warps reduced every step 13.0-13.1, 11.3-11.4, 20.1-20.2;
+    cuBLAS 15.5-15.7, 12.2-12.4, 22.9-23.1. K 1024, the q up-projection, at 16 x 256 x 4 warps and
+    4 stages, 2-D: CSA (N 40960) 23.3-23.5, HCA (N 32768) 20.2-20.4; cuBLAS 24.6-24.8, 19.8-19.9
+    (a plain read of the same weight: 22.1-22.2, 18.5-18.7). In the layer's step the K-1024 tiles
+    beat cuBLAS on both (CSA B = 1 layer 116.5-117.0 -> 114.6-115.1 µs, HCA 87.9-88.4 -> 87.5-87.7):
+    its many small programs leave SMs to the side branch sooner."""
     if k <= 1024:
         return 16, 256, 4, 4, True
-    return 16, 1024, 8, 3, False
+    return 4, 1024, 4, 3, True
 
 
 @triton.jit
