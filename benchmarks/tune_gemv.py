@@ -33,8 +33,7 @@ OPTS = types.SimpleNamespace(device=DEV, warmup_ms=10, rep_ms=50, host_warmup=3,
 @triton.jit
 def _gemv2d_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, s_wg, s_xg, s_yg,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A variant of gemv's kernel: the products summed in a [BLOCK_N, BLOCK_K] accumulator and
-    reduced once at the end; grid axis 1 = group (the grouped o_a product)."""
+    """`gemv._gemv_kernel` with a group axis (grid axis 1, the grouped o_a product) and any tiles."""
     g = tl.program_id(1).to(tl.int64)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

@@ -2,8 +2,8 @@
 of a batch-1 decode step.
 
 A batch-1 projection reads its weight once and does nothing else: it is a stream over W. Here
-each program takes BLOCK_N whole rows of W (contiguous K) and walks K in BLOCK_K steps, fp32
-products summed per row; no split-K, so no second kernel to reduce partial sums. cuBLAS picks split-K
+each program takes BLOCK_N whole rows of W (contiguous K) and walks K in BLOCK_K steps, summing
+the fp32 products; no split-K, so no second kernel to reduce partial sums. cuBLAS picks split-K
 kernels plus a reduction kernel for the wide-K projections of V4-Flash (K 4096 / 8192).
 
 First measured (H200, bf16, one call with the L2 flushed, triton.testing.do_bench): the CSA layer's
@@ -22,8 +22,9 @@ from dsv4.kernels.reference.linear import linear as torch_linear
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
 
-def _tiles(k: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, warps, stages, 2-D accumulator) for a reduction of length k.
+def _tiles(k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for a reduction of length k. The kernel sums the products in
+    a [BLOCK_N, BLOCK_K] accumulator and reduces it once at the end.
 
     H200, bf16, CUDA-graph replays with the L2 flushed (benchmarks/tune_gemv.py, µs, two rounds):
     K 4096 / 8192 at 4 rows x 1024 x 4 warps, the products summed in a [4, 1024] accumulator and
@@ -35,35 +36,24 @@ def _tiles(k: int) -> tuple[int, int, int, int, bool]:
     beat cuBLAS on both (CSA B = 1 layer 116.5-117.0 -> 114.6-115.1 µs, HCA 87.9-88.4 -> 87.5-87.7):
     its many small programs leave SMs to the side branch sooner."""
     if k <= 1024:
-        return 16, 256, 4, 4, True
-    return 4, 1024, 4, 3, True
+        return 16, 256, 4, 4
+    return 4, 1024, 4, 3
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ACC2D: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nm = rn < N
-    if ACC2D:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = (k0 + rk) < K
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0).to(tl.float32)
         x = tl.load(x_ptr + k0 + rk, mask=km, other=0.0).to(tl.float32)
-        if ACC2D:
-            acc += w * x[None, :]
-        else:
-            acc += tl.sum(w * x[None, :], 1)
-    if ACC2D:
-        y = tl.sum(acc, 1)
-    else:
-        y = acc
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nm)
+        acc += w * x[None, :]
+    tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -71,8 +61,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     fp32 accumulation: the stream kernel above."""
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages, acc2d = _tiles(k)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk, ACC2D=acc2d,
+    bn, bk, warps, stages = _tiles(k)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                         num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return y
 
