@@ -158,7 +158,7 @@ def main() -> int:
                 with captured(tp, "_scores_kernel"):            # pass 1 launches first: intercepted too
                     report(f"two-pass values {kind} rope={r is not None} out={dt}", tp, "_values_kernel",
                            lambda aargs=aargs, r=r, dt=dt: att.decode_attention(
-                               *aargs, two_pass=True, score_block_n=32, score_warps=8, value_block_n=32,
+                               *aargs, scheme="two_pass", score_block_n=32, score_warps=8, value_block_n=32,
                                value_block_d=128, value_warps=4, value_splits=1, rope=r, out_dtype=dt))
     if "topk" in which:
         s = torch.randn(2, 40000)

@@ -110,9 +110,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
                 dict(precision="bf16", block_n=128)]
-    if not small:     # the two-pass scheme's tiles (its pass 1 at 201 registers since the one-layout loads)
-        return [{}, dict(score_block_n=64), dict(score_block_n=64, score_splits=3), dict(score_splits=3),
-                dict(value_block_d=256, value_warps=8), dict(value_block_n=64), dict(value_block_n=16)]
+    if not small:     # the halves scheme's tiles and splits against the two-pass scheme's defaults
+        return [{}, dict(block_n=16), dict(num_splits=1), dict(num_splits=3), dict(scheme="two_pass")]
     return [{}, dict(num_stages=3, split_keys=256), dict(split_keys=256), dict(split_keys=32),
             dict(block_n=16, num_warps=4), dict(num_splits=16, block_n=16), dict(block_n=64),
             dict(block_n=64, split_keys=128)]
@@ -233,15 +232,16 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
                 variants += [dict(num_splits=16, block_n=16), dict(num_splits=32, block_n=16),
                              dict(num_splits=64, block_n=16), dict(num_splits=32, block_n=16, num_warps=4),
                              dict(num_splits=16)]
-        # the two-pass scheme (decode_attention_2p) against the fused kernel, and its tiles
-        variants += [dict(two_pass=False), dict(two_pass=True)]
+        # the three schemes against each other, and the tiles of the halves and two-pass ones
+        variants += [dict(scheme="fused"), dict(scheme="halves"), dict(scheme="two_pass")]
+        tp = {"scheme": "two_pass"}
         if batch >= 32:
-            variants += [dict(score_splits=3), dict(score_splits=4), dict(score_block_n=32, score_warps=4),
-                         dict(value_splits=2), dict(value_block_d=256, value_warps=8)]
+            variants += [dict(scheme="halves", block_n=16), dict(scheme="halves", num_splits=3),
+                         dict(tp, score_splits=3), dict(tp, value_splits=2)]
         elif batch >= 8:
-            variants += [dict(value_splits=1), dict(value_splits=4), dict(score_splits=4)]
+            variants += [dict(scheme="halves", block_n=16), dict(tp, value_splits=1), dict(tp, score_splits=4)]
         else:
-            variants += [dict(two_pass=True, value_splits=8)]
+            variants += [dict(tp, value_splits=8)]
         if focus:
             variants = focus_variants("attention", batch)
         for kw in variants:

@@ -36,6 +36,7 @@ from dsv4.cache.batch import ForwardBatch
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
+from dsv4.kernels.triton import decode_attention as att
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -255,19 +256,35 @@ def test_attention_two_pass_tiles(layer, precision):
     args = attention_args("real", "fp8_ds", layer, 16, (3, 129, 257), topk=48)
     want = ref.decode_attention(*args)
     for sbn, vbn in ((32, 16), (16, 32)):
-        out = tri.decode_attention(*args, two_pass=True, score_block_n=sbn, value_block_n=vbn, score_splits=3,
+        out = tri.decode_attention(*args, scheme="two_pass", score_block_n=sbn, value_block_n=vbn, score_splits=3,
                                    value_splits=1, precision=precision)
         close(out, want, TOL[precision])
 
 
-@pytest.mark.parametrize("knobs", [{}, {"two_pass": True, "value_splits": 1}, {"num_splits": 1}, {"num_splits": 3},
-                                   {"num_splits": 11}, {"num_splits": 37, "topk": 512}],
-                         ids=["two-pass", "two-pass-bf16-store", "fused", "combine", "combine-11", "combine-trips"])
+@pytest.mark.parametrize("layer,kv_format,heads", [(SWA, "fp8_ds", 16), (CSA, "fp8_ds", 8), (HCA, "fp8_ds", 80),
+                                                   (CSA, "bf16", 16), (HCA, "fp32", 16)],
+                         ids=["swa", "csa", "hca-80-heads", "csa-bf16", "hca-fp32"])
+def test_attention_halves(layer, kv_format, heads):
+    """Halves scheme (each half's program computes the logits of all channels, the values of its
+    half): ring and entry tiles in one index space across the 128 / 256 boundaries, ragged
+    requests, one or three key splits, 80 heads as two head blocks (the second part-masked)."""
+    args = attention_args("real", kv_format, layer, heads, REAL_LENS, topk=48)
+    want = ref.decode_attention(*args)
+    for bn, splits in ((16, 1), (32, 3)):
+        out = tri.decode_attention(*args, scheme="halves", block_n=bn, num_splits=splits, precision="bf16")
+        close(out, want, TOL["bf16"])
+
+
+@pytest.mark.parametrize("knobs", [{}, {"scheme": "two_pass"}, {"scheme": "two_pass", "value_splits": 1},
+                                   {"num_splits": 1}, {"num_splits": 3}, {"num_splits": 11},
+                                   {"num_splits": 37, "topk": 512}],
+                         ids=["halves", "two-pass", "two-pass-bf16-store", "fused", "combine", "combine-11",
+                              "combine-trips"])
 def test_attention_inverse_rope_bf16(knobs):
     """rope=(cos, sin), out_dtype=bf16 and a bf16 q: the two-pass scheme's pass 2 rotates (two value
-    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (up to 32
-    splits all loaded at once; 37: trips of 8, the last part-masked); a one-split fused kernel
-    hands over to norm_rope."""
+    splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (after the
+    halves scheme or the fused kernel; up to 32 splits all loaded at once; 37: trips of 8, the last
+    part-masked); a one-split fused kernel hands over to norm_rope."""
     knobs = dict(knobs)
     args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=knobs.pop("topk", 160)))
     g = torch.Generator().manual_seed(7)
@@ -304,6 +321,32 @@ def test_attention_64_heads_long(kv_format, layer):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+def test_attention_halves_default(layer):
+    """From 8 requests of 64 heads (bf16 operands, D 512) the default is the halves scheme: two
+    launches chained by programmatic dependent launch, then the split combine. Ragged lengths
+    across the tile, window and 128 / 256 boundaries; eager, several splits, and a CUDA-graph
+    replay after the metadata and the queries change in place."""
+    lens = (1, 127, 128, 129, 255, 256, 257, 4097, 20000)
+    args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
+    assert att._scheme(len(lens), 64, 8, 1, True, True) == "halves"
+    want = ref.decode_attention(*args)
+    close(tri.decode_attention(*args), want, TOL["bf16"])
+    for splits in (1, 5, 40):
+        close(tri.decode_attention(*args, scheme="halves", num_splits=splits), want, TOL["bf16"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.decode_attention(*args)
+    for shrink in (0, 1, 3):
+        args[5].sub_(shrink)                            # positions
+        if layer == HCA:
+            args[11].copy_((args[5] + 1) // 128)        # num_entries
+        args[0].normal_()
+        graph.replay()
+        close(out, ref.decode_attention(*args), TOL["bf16"])
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay():
     """Both ops captured once replay correctly after the metadata changes in place."""
     args = list(attention_args("real", "fp8_ds", HCA, 64, (129, 4097, 20000)))
@@ -335,6 +378,10 @@ def test_format_errors():
         tri.decode_attention(*aargs[:2], mgr.schemas[CSA].indexer_format, *aargs[3:])
     with pytest.raises(InputError, match="precision"):
         tri.decode_attention(*aargs, precision="fp16")
+    with pytest.raises(InputError, match="scheme"):
+        tri.decode_attention(*aargs, scheme="one_pass")
+    with pytest.raises(InputError, match="halves scheme takes bf16"):
+        tri.decode_attention(*aargs, scheme="halves", precision="ieee")
     with pytest.raises(InputError, match="kv_views"):
         tri.decode_attention(*aargs[:7], None, None, *aargs[9:])
     fargs = attention_args("tiny", "fp8_ds", HCA, 4, TINY_LENS[:3])

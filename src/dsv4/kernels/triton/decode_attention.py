@@ -1,9 +1,11 @@
 """Triton twin of `reference.decode.decode_attention`: sink attention of one query token per request.
 
-Two schemes. From 8 requests of 64 heads (bf16 operands, D 512) the two-pass one in
+Three schemes. From 8 requests of 64 heads (bf16 operands, D 512) the halves one in
+`decode_attention_halves` (64 heads and half of the value channels per program, one pass; see
+`_scheme` for the H200 numbers: B = 64 128K CSA 55 µs, HCA 74 µs). The two-pass one in
 `decode_attention_2p` (pass 1: logits of all heads per key tile into a scores buffer, pass 2:
-values per 128-channel slice; each key dequantised once per pass; see `_use_two_pass` for the
-H200 numbers: B = 64 128K CSA 190 -> 91 µs, HCA 302 -> 124 µs). Otherwise the fused kernel below:
+values per 128-channel slice), the default before it, serves the other precisions on request.
+Otherwise the fused kernel below:
 
     grid (head blocks, B, S): split s runs an online softmax over key tiles s, s+S, ... (window
     ring, then CSA indices / HCA entries); each tile is loaded once and feeds both q . K^T and
@@ -29,6 +31,7 @@ import triton.language as tl
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.triton import decode_attention_2p as tp
+from dsv4.kernels.triton import decode_attention_halves as dh
 from dsv4.kernels.triton.decode_common import (
     FP8_DS_ID,
     LOG2E,
@@ -230,7 +233,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      sinks: torch.Tensor, scale: float, *, precision: str | None = None,
                      block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     split_keys: int | None = None, two_pass: bool | None = None,
+                     split_keys: int | None = None, scheme: str | None = None,
                      score_block_n: int | None = None, score_warps: int | None = None,
                      score_splits: int | None = None, value_block_n: int | None = None,
                      value_block_d: int | None = None, value_warps: int | None = None,
@@ -249,11 +252,13 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         block_h, block_n, num_splits, num_warps, num_stages: heads per program, keys per tile, key
         splits per (request, head block), warps, pipeline depth (tuning; defaults per device).
         split_keys: the default num_splits gives each split at least this many keys (SPLIT_KEYS).
-        two_pass: use the two-pass scheme (`decode_attention_2p`; default: see `_use_two_pass`);
-        score_block_n, score_warps, score_splits: its pass 1 keys per tile, warps, key splits per
+        scheme: "fused" (the kernel below), "halves" (`decode_attention_halves`) or "two_pass"
+        (`decode_attention_2p`); default: see `_scheme`. block_n, num_warps, num_splits are also the
+        halves scheme's keys per tile, warps and key splits per request;
+        score_block_n, score_warps, score_splits: the two-pass pass 1 keys per tile, warps, key splits per
         request; value_block_n, value_block_d, value_warps, value_splits: its pass 2 keys per tile,
         value channels per program, warps, key splits (> 1: atomic adds, deterministic only at 2).
-        block_h, num_splits, split_keys apply to the fused kernel only.
+        block_h, split_keys apply to the fused kernel only.
         rope: (cos, sin) [B, r/2]: return RoPE_{-t}(o) (applied by the split combine or the two-pass
         scheme's pass 2; by `norm_rope` after a one-split fused kernel); out_dtype: the output's
         dtype (default fp32).
@@ -273,7 +278,6 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     if bsz == 0:
         return torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
-    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
     cuda = q.device.type == "cuda"
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
     ring = swa_pos.shape[1]
@@ -291,19 +295,33 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     nent = num_entries if num_entries is not None else request_slots
     # bf16 operands: a bf16 q is the operand as is (no conversion kernels); else fp32
     q = q.contiguous() if prec == 1 and q.dtype == torch.bfloat16 else q.float().contiguous()
-    if two_pass is None:
-        two_pass = _use_two_pass(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None)
-    if two_pass:
+    if scheme is None:
+        scheme = _scheme(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None)
+    if scheme not in SCHEMES:
+        raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
+    keys = (wkv, wrope, wsc, ckv, crope, csc)
+    meta = (swa_pos, request_slots, positions, bt, idx, nent)
+    strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
+               *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
+    if scheme == "halves":
+        if prec != 1 or nch % 2:
+            raise InputError(f"the halves scheme takes bf16 operands and an even number of 64-channel chunks; "
+                             f"got precision={precision!r}, D {dim}")
+        hbn, hwarps = dh.halves_tiles(cuda)
+        part, pml = dh.value_halves(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                                    dim=dim, nope=kv_fmt.dim - kv_fmt.rope_dim, nch=nch, fmt=_MAIN_FMT[kv_fmt.name],
+                                    mode=mode, native=cuda, block_n=block_n or hbn, warps=num_warps or hwarps,
+                                    splits=num_splits)
+        return _combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=q.device)
+    if scheme == "two_pass":
         sbn, swarps, vbn, vdv, vwarps = _two_pass_tiles(nch, cuda)
         sms = sm_count(q.device) if cuda else 0
         splits = score_splits or (max(1, sms // bsz) if cuda else 2)   # one wave of pass-1 programs
         vsplits = value_splits or ((2 if bsz * (nch * 64 // (value_block_d or vdv)) < sms else 1) if cuda else 2)
         if vsplits == 1 and out_dtype is not None:     # one split stores: straight into out_dtype
             out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
-        tp.two_pass(out, q, sinks, (wkv, wrope, wsc, ckv, crope, csc),
-                    (swa_pos, request_slots, positions, bt, idx, nent),
-                    (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
-                     *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0)),
+        tp.two_pass(out, q, sinks, keys, meta, strides,
                     ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
                     dim=dim, nope=kv_fmt.dim - kv_fmt.rope_dim, nch=nch, fmt=_MAIN_FMT[kv_fmt.name], mode=mode,
                     prec=prec, native=cuda, block_n=score_block_n or sbn, warps=score_warps or swarps,
@@ -331,9 +349,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     k = _decode_attn_kernel[(n_hb, bsz, n_split)](
         q, sinks, part, pml, wkv, wrope, wsc, swa_pos, request_slots, positions,
         ckv, crope, csc, bt, idx, nent,
-        q.stride(0), q.stride(1), part.stride(0), s_split, part.stride(-2),
-        *rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
-        *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0),
+        q.stride(0), q.stride(1), part.stride(0), s_split, part.stride(-2), *strides,
         ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
@@ -341,10 +357,18 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     note_compile("decode_attention", k)
     if n_split == 1:
         return _finish(out, rope, out_dtype)
-    if out_dtype is not None and out_dtype != out.dtype:
-        out = torch.empty(bsz, heads, dim, dtype=out_dtype, device=q.device)
+    return _combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
+
+
+def _combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype | None,
+             dim: int, nch: int, cuda: bool) -> torch.Tensor:
+    """The split combine of key-split partials part [B, S, H, nch * 64] and stats pml [B, S, H, 2]:
+    the sink, the inverse rotation, the output dtype -> [B, H, D]."""
+    bsz, n_split, heads, _ = part.shape
+    out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=part.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
-    if cuda and bsz * triton.cdiv(heads, bhc) * nch < sm_count(q.device):
+    if cuda and bsz * triton.cdiv(heads, bhc) * nch < sm_count(part.device):
         bhc = min(8, bhc)           # a grid smaller than the GPU: more, smaller programs
     # without rope, any fp32 tensor stands in for cos / sin (never read): no conversion kernel
     cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
@@ -353,7 +377,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
         HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32, num_warps=4,
-        **pdl_launch(q.device))
+        **pdl_launch(part.device))
     return out
 
 
@@ -379,8 +403,8 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
     interpreter wants few, small tiles.
-    From 8 requests of 64 heads the two-pass scheme replaces this kernel (`_use_two_pass`): its
-    64 heads per program dequantise each key once instead of 4 times, 2x faster at B = 64.
+    From 8 requests of 64 heads the halves scheme replaces this kernel (`_scheme`): its 64 heads
+    per program dequantise each key twice instead of 4 times, 3.4x faster at B = 64.
     """
     if not cuda:
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
@@ -394,24 +418,26 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
 #: software-pipelining depth of both passes: 1, the loops pipeline their loads by hand (Triton's
 #: 2 / 3 measured slower: H200, B = 64 CSA 140 / 139 µs vs 107)
 TWO_PASS_STAGES = 1
-#: the fused kernel below this many (request, head) pairs on CUDA, the two-pass scheme from it
-TWO_PASS_MIN_ROWS = 8 * 64
+#: the fused kernel below this many (request, head) pairs on CUDA, the halves scheme from it
+MANY_ROWS = 8 * 64
+SCHEMES = ("fused", "halves", "two_pass")
 
 
-def _use_two_pass(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> bool:
-    """Default scheme: two-pass for bf16 operands at D 512 from 8 requests of 64 heads; the CPU
-    interpreter takes it whenever no fused-kernel knob is given, so the tests cover both.
+def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> str:
+    """Default scheme: on CUDA the halves scheme for bf16 operands at D 512 from 8 requests of 64
+    heads, else the fused kernel; the CPU interpreter takes the halves scheme (bf16 operands) or
+    the two-pass one whenever no fused-kernel knob is given, so the tests cover all three.
 
-    H200, Triton 3.6, context 128K, CUDA-graph replays with L2 flushed (benchmarks/tune_decode.py),
-    fused -> two-pass at its defaults: B = 64 CSA 190 -> 91 µs, HCA 302 -> 124 µs; B = 16 (value
-    splits 2, score splits 8) CSA 72.5 -> 41, HCA 110 -> 51; B = 8 (value splits 2, score splits
-    16) CSA 45 -> 38, HCA 70 -> 46; B = 1 the fused kernel wins (CSA 22.8 vs 26 µs at value
-    splits 8, 34 at 1; HCA 26.4 vs 29 / 45). Max |err| / max |ref| at B = 64 vs the reference:
-    2.9e-3 CSA, 2.6e-3 HCA (fused: 2.6e-3, 2.7e-3); repeated calls bit-identical.
+    H200, Triton 3.6, context 128K, CUDA-graph replays with L2 flushed: the halves scheme against
+    the two-pass one (the default before it), µs: B = 64 CSA 77.6 -> 55.1, HCA 105.3 -> 74.0;
+    B = 16 CSA 35.6 -> 27.6, HCA 47.4 -> 31.9; B = 8 CSA 33.8 -> 23.0, HCA 43.8 -> 25.4; the fused
+    kernel wins below (B = 4 CSA 18.7 vs 21.3, HCA 28.3 vs 26.2-32.7; B = 1 CSA 15.0 vs 17.5,
+    HCA 16.2 vs 22.6). The two-pass scheme against the fused kernel, for the record: B = 64 CSA
+    190 -> 91 µs, HCA 302 -> 124.
     """
     if not cuda:
-        return no_fused_knobs
-    return prec == 1 and nch >= 8 and bsz * heads >= TWO_PASS_MIN_ROWS
+        return ("halves" if prec == 1 and nch % 2 == 0 else "two_pass") if no_fused_knobs else "fused"
+    return "halves" if prec == 1 and nch >= 8 and nch % 2 == 0 and bsz * heads >= MANY_ROWS else "fused"
 
 
 def _two_pass_tiles(nch: int, cuda: bool) -> tuple[int, int, int, int, int]:
