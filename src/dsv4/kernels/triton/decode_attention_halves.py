@@ -28,11 +28,13 @@ Why this shape (H200, Triton 3.6, sm_90 compiles with ptxas register counts):
 - No prefetch of the next tile's bytes: in registers it spills; an L2 prefetch
   (`prefetch.global.L2` per line or a bulk prefetch per row) measured slower.
 
-Measured against the two-pass scheme (`decode_attention_2p`, the previous default), V4-Flash
-shapes, 128K, CUDA-graph replays with the L2 flushed (`benchmarks/dsplit_attention_check.py`,
-µs): B = 64 CSA 77.6 -> 55.1, HCA 105.3 -> 74.0; B = 16 CSA 35.6 -> 27.6, HCA 47.4 -> 31.9;
-B = 8 CSA 33.8 -> 23.0, HCA 43.8 -> 25.4. Max error vs the two-pass output 1.2-1.6e-3 of its
-largest value (both round q and p to bf16 for the dots).
+Measured against the two-pass scheme (`decode_attention_2p`, the previous default) and the fused
+kernel, V4-Flash shapes, 128K, CUDA-graph replays with the L2 flushed
+(`benchmarks/attention_schemes.py`, µs, halves / two-pass / fused): B = 64 CSA 57.4 / 78.2 / 148.7,
+HCA 72.8 / 105.5 / 247.5; B = 16 CSA 27.7 / 35.6 / 44.6, HCA 31.5 / 47.5 / 64.1; B = 8 CSA
+23.3 / 33.8 / 28.4, HCA 25.0 / 44.4 / 41.3; B = 4 CSA 20.7 / 28.3 / 19.1, HCA 29.8 / 48.3 / 28.4.
+Max error vs the fp32 reference 0.5-1.1e-3 of its largest output (two-pass 0.8-1.2e-3; all round
+q and p to bf16 for the dots).
 
 Static grids and buffer sizes, no host reads: capturable in a CUDA graph.
 """
