@@ -31,6 +31,7 @@ from dsv4.bench.common import LAYER_INDEX, bench_config
 from dsv4.bench.decode import random_selection
 from dsv4.bench.timing import Timer
 from dsv4.kernels.triton import decode_attention as att
+from dsv4.kernels.triton import decode_combine
 from dsv4.kernels.triton.decode_attention_2p import _src_idx, _src_page
 from dsv4.kernels.triton.decode_common import (
     LOG2E,
@@ -181,7 +182,7 @@ def wide_attention(q, swa, kv_fmt, swa_pos, request_slots, positions, window, kv
     out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
     cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
-    att._combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
+    decode_combine._combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
         part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,

@@ -7,7 +7,7 @@ channels per program, one pass over the keys (the default from 8 requests of 64 
     window ring's tiles, then the entries'), with logits s = q . K^T over all D channels as two
     dots of D/2 (its own half, which is also its value tile, and the other half) and
     acc [64, D/2] += p . V[:, half c]. Both halves compute the same logits; half 0 stores the
-    split's softmax stats (m, l), each half its acc columns, and the fused kernel's split combine
+    split's softmax stats (m, l), each half its acc columns, and the split combine (`decode_combine`)
     adds the sink, the inverse rotation and the output dtype.
 
 Why this shape (H200, Triton 3.6, sm_90 compiles with ptxas register counts):
