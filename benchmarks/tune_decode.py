@@ -334,14 +334,22 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
         args = (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
                 cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
                 indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
-        want = prefill_attention(*args)
-        for kw in ({}, dict(block_h=16, block_n=32, num_warps=8),
-                   dict(block_h=16, block_n=64, num_warps=8, num_stages=2),
-                   dict(block_h=16, block_n=128, num_warps=8), dict(block_h=16, block_n=64, num_warps=16),
-                   dict(block_h=16, block_n=128, num_warps=16), dict(block_h=32, block_n=64, num_warps=16)):
+        want = prefill_attention(*args, scheme="fused")
+        for kw in ({}, dict(scheme="fused"), dict(scheme="halves", block_n=16),
+                   dict(scheme="fused", block_h=16, block_n=32, num_warps=8),
+                   dict(scheme="fused", block_h=16, block_n=64, num_warps=8, num_stages=2)):
             attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
                     lambda out, want=want: None if rel(out, want) < 1e-2 else f"rel {rel(out, want):.2e}",
+                    "prefill_attention")
+        # the layer's form: the inverse rotation and the bf16 output in the attention op
+        finish = dict(rope=(torch.rand(chunk, 32, device=DEV), torch.rand(chunk, 32, device=DEV)),
+                      out_dtype=torch.bfloat16)
+        want = prefill_attention(*args, scheme="fused", **finish).float()
+        for kw in (dict(scheme="fused", **finish), dict(scheme="halves", **finish)):
+            attempt("pattn", f"{kind} T={chunk}", f"scheme={kw['scheme']} rope bf16-out",
+                    lambda kw=kw, args=args: prefill_attention(*args, **kw),
+                    lambda out, want=want: None if rel(out.float(), want) < 1e-2 else f"rel {rel(out.float(), want)}",
                     "prefill_attention")
 
 

@@ -1,4 +1,5 @@
-"""Triton prefill attention (`kernels/triton/prefill_attention.py`) against its PyTorch twin
+"""Triton prefill attention (`kernels/triton/prefill_attention.py`: the fused kernel and the value
+halves scheme, `prefill_attention_halves.py`) against its PyTorch twin
 (`reference.attention.prefill_attention`, the masked dense pass of the general path).
 
 Each case is a real cache: every request first caches `before` tokens (window ring written), then
@@ -10,7 +11,9 @@ included). Queries, sinks and CSA selections are fresh random draws; selections 
 tiny_config (W 16, m 4, m' 16, D 128), tokens_per_block 32; real_dims_config (W 128, m 4, m' 128,
 D 512 = 448 + 64). The (before, new) pairs put queries at 0, at 15/16/17 (127/128/129, 255/256/257
 at real dims), chunks longer than the window, one-token steps, and a request whose new rows
-start mid-ring. Tolerances as the decode attention's (tests/test_triton_decode.py).
+start mid-ring. Tolerances as the decode attention's (tests/test_triton_decode.py). On the CPU
+interpreter the default scheme is the halves one for bf16 operands (fp8_ds, bf16), the fused
+kernel for fp32; scheme="fused" or a fused-kernel knob covers the fused kernel on bf16 operands.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import zlib
 import pytest
 import torch
 from conftest import real_dims_config, tiny_config
-from test_triton_decode import TOL, close
+from test_triton_decode import TOL, close, max_rel
 
 from dsv4 import KVCacheManager
+from dsv4.errors import InputError
 from dsv4.kernels.reference.attention import prefill_attention as ref_prefill_attention
 from dsv4.kernels.triton.prefill_attention import prefill_attention
 
@@ -96,23 +100,80 @@ def test_prefill_attention_tiny(kv_format, layer):
     close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
 
 
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+def test_prefill_attention_tiny_fused(layer):
+    """The fused kernel on bf16 operands (the CPU default is the halves scheme there)."""
+    args = prefill_args("tiny", "fp8_ds", layer, 4, TINY_STEPS)
+    close(prefill_attention(*args, scheme="fused"), ref_prefill_attention(*args), tol("fp8_ds"))
+
+
 def test_prefill_attention_short_window_and_head_blocks():
     """A window shorter than the ring (rows at p <= t - window masked), 32 heads in blocks of 16."""
     args = prefill_args("tiny", "fp8_ds", HCA, 32, TINY_STEPS, window=9)
     close(prefill_attention(*args, block_h=16), ref_prefill_attention(*args), tol("fp8_ds"))
 
 
+def test_prefill_attention_halves_head_blocks():
+    """The halves scheme with 80 heads: two 64-head blocks, the second part-masked; a short window."""
+    args = prefill_args("tiny", "bf16", CSA, 80, TINY_STEPS[:4], window=9)
+    close(prefill_attention(*args, scheme="halves"), ref_prefill_attention(*args), tol("bf16"))
+
+
+def finish_args(n: int, seed: int) -> dict:
+    """rope = (cos, sin) [n, 32] of random angles, bf16 output: the layer's form of the op."""
+    ang = torch.rand(n, 32, generator=torch.Generator().manual_seed(seed)).to(DEVICE) * 6.3
+    return {"rope": (ang.cos(), ang.sin()), "out_dtype": torch.bfloat16}
+
+
+@pytest.mark.parametrize("scheme", ["halves", "fused"])
+def test_prefill_attention_inverse_rope_bf16(scheme):
+    """rope=(cos, sin), out_dtype=bf16 and a bf16 q (as the layer calls it): the halves kernel rotates
+    and converts in its epilogue (tiny dims: the rope channels are all of the second half; at
+    D 512 in the GPU test below), the fused kernel hands over to norm_rope."""
+    args = list(prefill_args("tiny", "fp8_ds", CSA, 8, TINY_STEPS))
+    args[0] = args[0].to(torch.bfloat16)
+    fin = finish_args(args[0].shape[0], 3)
+    out = prefill_attention(*args, scheme=scheme, **fin)
+    assert out.dtype == torch.bfloat16
+    want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32)
+    close(out.float(), want, tol("fp8_ds"))
+    plain = ref_prefill_attention(*args)                # the rotation moved the rope channels
+    assert max_rel(out.float()[..., -64:], plain[..., -64:]) > 0.1
+
+
+@pytest.mark.parametrize("scheme", ["halves", "fused"])
 @pytest.mark.parametrize("layer,kv_format", [(CSA, "fp8_ds"), (HCA, "fp8_ds")], ids=["csa", "hca"])
-def test_prefill_attention_real_dims(layer, kv_format):
+def test_prefill_attention_real_dims(layer, kv_format, scheme):
     """D 512 (448 e4m3 + 64 bf16), W 128, m' 128: queries at 127/128/129 and 255/256/257."""
     args = prefill_args("real", kv_format, layer, 8, REAL_STEPS, topk=16)
-    close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
+    close(prefill_attention(*args, scheme=scheme), ref_prefill_attention(*args), tol(kv_format))
+
+
+def test_prefill_attention_scheme_errors():
+    args = prefill_args("tiny", "fp32", SWA, 4, ((0, 3),))
+    with pytest.raises(InputError, match="scheme="):
+        prefill_attention(*args, scheme="two_pass")
+    with pytest.raises(InputError, match="halves scheme takes bf16 operands"):
+        prefill_attention(*args, scheme="halves")
+    with pytest.raises(InputError, match="rope"):
+        prefill_attention(*args, rope=(torch.ones(3, 32, device=DEVICE), torch.ones(2, 32, device=DEVICE)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
 def test_prefill_attention_v4_flash_shapes(kv_format, layer):
-    """64 heads, D 512, K 512: a long first chunk, a chunk after 4K cached, a short one after 20K."""
-    args = prefill_args("real", kv_format, layer, 64, ((0, 1000), (4000, 700), (20000, 129)), topk=512)
-    close(prefill_attention(*args), ref_prefill_attention(*args), tol(kv_format))
+    """64 heads, D 512, K 512: a long first chunk, a chunk after 4K cached, a short one after 20K.
+    The default (halves for fp8_ds / bf16, fused for fp32), in the layer's form (rotation, bf16
+    output, bf16 q where the format is bf16-exact), and the fused kernel on bf16 operands."""
+    args = list(prefill_args("real", kv_format, layer, 64, ((0, 1000), (4000, 700), (20000, 129)), topk=512))
+    want = ref_prefill_attention(*args)
+    close(prefill_attention(*args), want, tol(kv_format))
+    if kv_format != "fp32":
+        close(prefill_attention(*args, scheme="fused"), want, tol(kv_format))
+        args[0] = args[0].to(torch.bfloat16)
+    fin = finish_args(args[0].shape[0], layer)
+    want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32)
+    out = prefill_attention(*args, **fin)
+    assert out.dtype == torch.bfloat16
+    close(out.float(), want, tol("bf16"))

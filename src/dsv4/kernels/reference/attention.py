@@ -13,6 +13,7 @@ import torch
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.kernels.reference.cache_ops import gather_all_entries
+from dsv4.kernels.reference.norm_rope import norm_rope
 
 _QUERY_CHUNK = 512
 
@@ -44,7 +45,8 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       positions: torch.Tensor, token_request: torch.Tensor, cu_seqlens: torch.Tensor, window: int,
                       kv_views: dict[str, torch.Tensor] | None, kv_fmt: EntryFormat, block_table: torch.Tensor | None,
                       epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of every new token of a batch (packed in request order) over its window and entries.
 
     Keys of the token at position t of request b: the window positions t - W < p <= t, from the
@@ -58,8 +60,11 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         positions, token_request: [T]; cu_seqlens: [B + 1] token offsets of the requests;
         kv_views, kv_fmt, block_table, epb: the paged main-entry pool (None without entries);
         max_entries: a bound on the entries of every request (host int); sinks: [H].
+        rope: (cos, sin) [T, r/2] of the tokens' positions: the output is then RoPE_{-t}(o), the
+            layer's inverse rotation (`norm_rope(..., normalize=False, inverse=True)`).
+        out_dtype: the output's dtype (default fp32).
     Returns:
-        [T, H, D] fp32.
+        [T, H, D] out_dtype.
     """
     dev = q.device
     out = torch.empty_like(q, dtype=torch.float32)
@@ -91,4 +96,6 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                 cmask = cmask[:, :ne]
             mask = torch.cat([mask, cmask], dim=1)
         out[t0:t1] = attention_with_sink(q[t0:t1].float(), torch.cat(keys), mask, sinks, scale)
-    return out
+    if rope is not None:
+        out = norm_rope(out, None, 0.0, *rope, normalize=False, inverse=True)
+    return out if out_dtype is None else out.to(out_dtype)

@@ -30,10 +30,12 @@ from dsv4.kernels.triton.decode_attention import (
     NUM_STAGES,
     _attend,
     _attention_tiles,
+    _finish,
     attend_entries,
     with_sink,
 )
 from dsv4.kernels.triton.decode_common import LOG2E, Views, note_compile, precision_id, rows, split_operand
+from dsv4.kernels.triton.prefill_attention_halves import prefill_halves_tiles, prefill_value_halves
 
 
 @triton.jit
@@ -103,18 +105,28 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
                       scale: float, *, precision: str | None = None, block_h: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, scheme: str | None = None,
+                      rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of every new token of a batch over its window and entries (see the reference).
 
     Args: as `reference.attention.prefill_attention` (max_entries is not needed here: every bound
-    is device-side), plus the tuning knobs of decode_attention's fused kernel.
+    is device-side), plus
+        precision, block_h, block_n, num_warps, num_stages: tuning knobs of the fused kernel
+            (block_n, num_warps also the halves scheme's);
+        scheme: "fused" (the kernel above) or "halves" (`prefill_attention_halves`); default: see
+            `_prefill_scheme`;
+        rope: (cos, sin) [T, r/2]: return RoPE_{-t}(o) (in the halves kernel's epilogue; by
+            `norm_rope` after the fused kernel); out_dtype: the output's dtype (default fp32).
     Returns:
-        [T, H, D] fp32.
+        [T, H, D] out_dtype.
     """
     if kv_fmt.name not in _MAIN_FMT:
         raise FormatError(f"prefill_attention reads main-entry formats {tuple(_MAIN_FMT)}, got {kv_fmt.name!r}")
     if kv_fmt.name == "fp8_ds" and kv_fmt.rope_dim > 64:
         raise FormatError(f"prefill_attention reads fp8_ds entries with rope_dim <= 64, got {kv_fmt.rope_dim}")
+    if scheme is not None and scheme not in PREFILL_SCHEMES:
+        raise InputError(f"scheme={scheme!r} is not one of {PREFILL_SCHEMES}")
     t_all, heads, dim = q.shape
     mode = 0 if not ratio else (1 if indices is not None else 2)
     if mode and (kv_views is None or block_table is None):
@@ -122,16 +134,26 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
     if dim != kv_fmt.dim or sinks.shape != (heads,) or new_kv.shape != (t_all, dim) or old_kv.shape[-1] != dim:
         raise InputError(f"q [T, H, {kv_fmt.dim}], new_kv [T, D], old_kv [B, W, D], sinks [H] expected; got "
                          f"{list(q.shape)}, {list(new_kv.shape)}, {list(old_kv.shape)}, {list(sinks.shape)}")
-    out = torch.empty(t_all, heads, dim, dtype=torch.float32, device=q.device)
-    if t_all == 0:
-        return out
+    if rope is not None and (rope[0].shape != rope[1].shape or rope[0].shape[0] != t_all
+                             or 2 * rope[0].shape[-1] > kv_fmt.rope_dim):
+        raise InputError(f"rope: cos, sin [T, <= {kv_fmt.rope_dim // 2}] expected; got {list(rope[0].shape)}, "
+                         f"{list(rope[1].shape)}")
     cuda = q.device.type == "cuda"
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
+    scheme = scheme or _prefill_scheme(heads, nch, prec, cuda, block_h is None and num_stages is None)
+    if scheme == "halves" and (prec != 1 or nch % 2):
+        raise InputError(f"the halves scheme takes bf16 operands and an even number of 64-channel chunks, not "
+                         f"precision {precision or 'default'} at D {dim}")
+    halves = scheme == "halves"
+    out = torch.empty(t_all, heads, dim, dtype=(out_dtype or torch.float32) if halves else torch.float32,
+                      device=q.device)
+    if t_all == 0:
+        return out
     row_dtype = torch.float32 if kv_fmt.name == "fp32" else torch.bfloat16    # exact for fp8_ds / bf16 rows
     old_kv, new_kv = old_kv.to(row_dtype).contiguous(), new_kv.to(row_dtype).contiguous()
     old_pos = old_pos.contiguous()
-    q = q.float().contiguous()
+    q = q.contiguous() if halves else q.float().contiguous()    # the halves kernel rounds q to bf16 itself
     if mode:
         ct = kv_fmt.typed(kv_views)
         ckv = ct["nope"] if kv_fmt.name == "fp8_ds" else ct["kv"]
@@ -141,22 +163,45 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         ckv = crope = csc = old_kv
         bt = positions
     idx = indices if indices is not None else positions
+    sources = (old_kv, old_pos, new_kv, positions, token_request, cu_seqlens, ckv, crope, csc, bt, idx)
+    geometry = (old_kv.stride(0), old_kv.stride(1), old_pos.stride(0), new_kv.stride(0),
+                *(rows(ckv) if mode else (0, 0)), *(rows(crope) if mode else (0, 0)),
+                *(rows(csc) if mode else (0, 0)), bt.stride(0), idx.stride(0),
+                window, old_pos.shape[1], epb, bt.shape[-1] if bt.dim() == 2 else 1,
+                indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E)
+    consts = {"D": dim, "NOPE": kv_fmt.dim - kv_fmt.rope_dim, "FMT": _MAIN_FMT[kv_fmt.name], "MODE": mode,
+              "NATIVE": cuda}
+    if halves:
+        bn, warps = prefill_halves_tiles(cuda)
+        prefill_value_halves(q, sinks, out, rope, sources, geometry, dim=dim, nope=consts["NOPE"], nch=nch,
+                             fmt=consts["FMT"], mode=mode, native=cuda, block_n=block_n or bn,
+                             warps=num_warps or warps)
+        return out
     bh, bn, warps = _prefill_tiles(heads, nch, prec, cuda)
     bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
     k = _prefill_attn_kernel[(t_all, triton.cdiv(heads, bh))](
-        q, sinks, out, old_kv, old_pos, new_kv, positions, token_request, cu_seqlens,
-        ckv, crope, csc, bt, idx,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), old_kv.stride(0), old_kv.stride(1),
-        old_pos.stride(0), new_kv.stride(0),
-        *(rows(ckv) if mode else (0, 0)), *(rows(crope) if mode else (0, 0)), *(rows(csc) if mode else (0, 0)),
-        bt.stride(0), idx.stride(0),
-        window, old_pos.shape[1], epb, bt.shape[-1] if bt.dim() == 2 else 1,
-        indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E,
-        H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
-        FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn,
+        q, sinks, out, *sources, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *geometry,
+        H=heads, BLOCK_H=bh, NCH=nch, PREC=prec, BLOCK_N=bn, **consts,
         num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}))
     note_compile("prefill_attention", k)
-    return out
+    return _finish(out, rope, out_dtype)
+
+
+#: the schemes of prefill_attention
+PREFILL_SCHEMES = ("fused", "halves")
+#: the halves scheme from this many heads on CUDA (one warpgroup's 64 rows)
+HALVES_MIN_HEADS = 64
+
+
+def _prefill_scheme(heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> str:
+    """Default scheme: the halves scheme for bf16 operands at D 512 with 64 or more heads on CUDA,
+    else the fused kernel; the CPU interpreter takes the halves scheme for bf16 operands whenever
+    no fused-kernel knob is given, so the tests cover both."""
+    if prec != 1 or nch % 2:
+        return "fused"
+    if not cuda:
+        return "halves" if no_fused_knobs else "fused"
+    return "halves" if nch >= 8 and heads >= HALVES_MIN_HEADS else "fused"
 
 
 def _prefill_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, int, int]:
