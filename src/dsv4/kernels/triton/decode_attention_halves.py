@@ -67,6 +67,22 @@ def _mm(a, b, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def value_half_step(qa, qb, ka, kb, ok, m_i, l_i, acc, qk_scale, NATIVE: tl.constexpr):
+    """One key tile of a value-halves program: logits over all D channels as two dots of D/2 (ka,
+    this half's keys, also the value tile; kb the other half's), masked by ok, then the online
+    softmax step (log2 domain) -> (m_i, l_i, acc)."""
+    s = (_mm(qa, tl.trans(ka), NATIVE) + _mm(qb, tl.trans(kb), NATIVE)) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: keep exp2 finite
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), ka, NATIVE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tile_idx(swa_pos_ptr, idx_ptr, b, s_pos, s_idx, slot, t, window, ring, n_comp, n_c, n_wt, tile,
               MODE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Stage 1 of key tile `tile` (ring tiles [0, n_wt), then entry tiles): (ring row or entry
@@ -169,15 +185,7 @@ def _halves_kernel(
                             tile + 2 * n_split, MODE, BLOCK_N)
         ka = dequant_entry_tile(xa, sa, ra, ca, FMT, NOPE, HC, BLOCK_N).to(tl.bfloat16)
         kb = dequant_entry_tile(xb, sb, rb, cb, FMT, NOPE, HC, BLOCK_N).to(tl.bfloat16)
-        s = (_mm(qa, tl.trans(ka), NATIVE) + _mm(qb, tl.trans(kb), NATIVE)) * qk_scale
-        s = tl.where(ok0[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), ka, NATIVE)
+        m_i, l_i, acc = value_half_step(qa, qb, ka, kb, ok0, m_i, l_i, acc, qk_scale, NATIVE)
         p0, r0, ok0 = p1, r1, ok1
         w1, ok1 = w2, ok2
     tl.store(part_ptr + b * s_pb + split * s_ps + h[:, None] * s_ph + ca * 64 + d, acc, mask=hmask[:, None])

@@ -37,26 +37,7 @@ from dsv4.kernels.triton.decode_attention import (
     with_sink,
 )
 from dsv4.kernels.triton.decode_common import LOG2E, Views, note_compile, precision_id, rows, split_operand
-from dsv4.kernels.triton.prefill_attention_halves import prefill_halves_tiles, prefill_value_halves
-
-
-@triton.jit
-def _window_tile(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_ob, s_or, s_opb, s_nt,
-                 D: tl.constexpr, NCH: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Window rows r0 .. r0 + BLOCK_N of token i (position t - W + 1 + r) -> (keys [BLOCK_N, NCH*64]
-    in the rows' dtype, valid [BLOCK_N])."""
-    r = r0 + tl.arange(0, BLOCK_N)
-    p = t - window + 1 + r
-    inside = (r < window) & (p >= 0)
-    new = inside & (p >= p0)
-    orow = ring - p0 + p
-    maybe_old = inside & (p < p0) & (orow >= 0)
-    opos = tl.load(oldpos_ptr + b * s_opb + orow, mask=maybe_old, other=-1)
-    old = maybe_old & (opos == p)
-    d = tl.arange(0, NCH * 64)[None, :]
-    kn = tl.load(new_ptr + (i - t + p).to(tl.int64)[:, None] * s_nt + d, mask=new[:, None] & (d < D), other=0.0)
-    ko = tl.load(old_ptr + b * s_ob + orow.to(tl.int64)[:, None] * s_or + d, mask=old[:, None] & (d < D), other=0.0)
-    return tl.where(new[:, None], kn, ko), new | old
+from dsv4.kernels.triton.prefill_attention_halves import prefill_halves_tiles, prefill_value_halves, window_rows
 
 
 @triton.jit
@@ -83,8 +64,8 @@ def _prefill_attn_kernel(
     acc = tl.zeros([BLOCK_H, NCH * 64], tl.float32)
 
     for tile in range(0, tl.cdiv(window, BLOCK_N)):
-        k, valid = _window_tile(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring,
-                                s_ob, s_or, s_opb, s_nt, D, NCH, BLOCK_N)
+        k, valid = window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring,
+                                s_ob, s_or, s_opb, s_nt, 0, D, NCH, BLOCK_N)
         m_i, l_i, acc = _attend(q_hi, q_lo, k.to(q_hi.dtype), valid, m_i, l_i, acc, qk_scale, PREC, NATIVE)
 
     if MODE != 0:

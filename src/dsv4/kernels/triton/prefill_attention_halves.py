@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.kernels.triton.decode_attention import with_sink
-from dsv4.kernels.triton.decode_attention_halves import _mm
+from dsv4.kernels.triton.decode_attention_halves import value_half_step
 from dsv4.kernels.triton.decode_common import (
     dequant_entry_tile,
     inverse_rope,
@@ -47,12 +47,14 @@ from dsv4.kernels.triton.decode_common import (
 
 
 @triton.jit
-def _window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_ob, s_or, s_opb, s_nt, c0,
+def window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_ob, s_or, s_opb, s_nt, c0,
                  D: tl.constexpr, NC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Channels [c0 * 64, (c0 + NC) * 64) of window rows r0 .. r0 + BLOCK_N of token i (position
-    t - W + 1 + r; `prefill_attention._window_tile`'s sources) -> (bf16 [BLOCK_N, NC * 64], valid).
-    Loaded as [rows, chunk, 64] in 8-element vectors, the layout `load_entry_tile` gives the pool's
-    keys, so both sources of a key tile meet in one register layout."""
+    """Channels [c0 * 64, (c0 + NC) * 64) of window rows r0 .. r0 + BLOCK_N of token i, at positions
+    p = t - W + 1 + r: p < p0 (the request's first new position) is ring row W - p0 + p of the old
+    ring (gathered in position order before this step's writes, its stored position checked),
+    p >= p0 is new row i - t + p of this step -> (rows [BLOCK_N, NC * 64] in their stored dtype,
+    valid). Loaded as [rows, chunk, 64] in 8-element vectors, the layout `load_entry_tile` gives
+    the pool's keys, so both sources of a halves key tile meet in one register layout."""
     r = r0 + tl.arange(0, BLOCK_N)
     p = t - window + 1 + r
     inside = (r < window) & (p >= 0)
@@ -66,7 +68,7 @@ def _window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_
     # one row pointer per key, from either source: one load per element
     rp = tl.where(new, new_ptr + (i - t + p).to(tl.int64) * s_nt, old_ptr + b * s_ob + orow.to(tl.int64) * s_or)
     k = tl.load(rp[:, None, None] + d, mask=(new | old)[:, None, None] & (d < D), other=0.0)
-    return tl.reshape(k, [BLOCK_N, NC * 64]).to(tl.bfloat16), new | old
+    return tl.reshape(k, [BLOCK_N, NC * 64]), new | old
 
 
 @triton.jit
@@ -131,25 +133,18 @@ def _prefill_halves_kernel(
     idx_row = idx_ptr + i * s_idx
     for tile in range(0, n_wt + tl.cdiv(n_c, BLOCK_N)):
         if tile < n_wt:
-            ka, ok = _window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring, s_ob,
-                                  s_or, s_opb, s_nt, ca, D, HC, BLOCK_N)
-            kb, _ = _window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring, s_ob,
-                                 s_or, s_opb, s_nt, cb, D, HC, BLOCK_N)
+            ka, ok = window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring, s_ob,
+                                 s_or, s_opb, s_nt, ca, D, HC, BLOCK_N)
+            kb, _ = window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, tile * BLOCK_N, window, ring, s_ob,
+                                s_or, s_opb, s_nt, cb, D, HC, BLOCK_N)
+            ka, kb = ka.to(tl.bfloat16), kb.to(tl.bfloat16)     # bf16 rows: no conversion
         else:
             e0 = (tile - n_wt) * BLOCK_N
             ka, ok = _entry_rows(ckv_ptr, crope_ptr, csc_ptr, bt_row, idx_row, e0, n_c, epb, max_blocks, ca, s_ckp,
                                  s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, HC, MODE, BLOCK_N)
             kb, _ = _entry_rows(ckv_ptr, crope_ptr, csc_ptr, bt_row, idx_row, e0, n_c, epb, max_blocks, cb, s_ckp,
                                 s_ckr, s_crp, s_crr, s_csp, s_csr, FMT, D, NOPE, HC, MODE, BLOCK_N)
-        s = (_mm(qa, tl.trans(ka), NATIVE) + _mm(qb, tl.trans(kb), NATIVE)) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * alpha[:, None] + _mm(p.to(tl.bfloat16), ka, NATIVE)
+        m_i, l_i, acc = value_half_step(qa, qb, ka, kb, ok, m_i, l_i, acc, qk_scale, NATIVE)
     o = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
     if ROPE and HALF == 1:      # the rotated channels are the trailing 2 HALF_R <= D / 2
         o = inverse_rope(o, i, ca * 64, cos_ptr, sin_ptr, BLOCK_H, HC * 64, D, HALF_R)
