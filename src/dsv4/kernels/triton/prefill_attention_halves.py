@@ -23,7 +23,9 @@ and entry counts in int64 the HCA loop spilled (80 LDL per tile). 64 keys spill 
 H200, an 8K chunk after 24K cached, fp8_ds, 64 heads, CUDA-graph replays (`benchmarks/tune_decode.py
 --prefill-attention`), µs, fused -> halves: CSA 12,322 -> 4,681 (16 keys: 6,303), HCA 8,037 ->
 3,020 (3,775); with the layer's inverse rotation and bf16 output (the fused kernel then hands over
-to norm_rope): CSA 13,006 -> 4,633, HCA 8,699 -> 2,896.
+to norm_rope): CSA 13,006 -> 4,633, HCA 8,699 -> 2,896. Since then the fused kernel reads its
+window through `window_rows` too (one load per element instead of one per source): CSA 10,885,
+HCA 6,586 against the halves' 4,650 / 3,009 in the same run.
 """
 
 from __future__ import annotations
