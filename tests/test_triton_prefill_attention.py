@@ -152,6 +152,16 @@ def test_prefill_attention_real_dims(layer, kv_format, scheme):
     close(prefill_attention(*args, scheme=scheme), ref_prefill_attention(*args), tol(kv_format))
 
 
+@pytest.mark.parametrize("kv_format", ["fp32", "bf16"], ids=["fused", "halves"])
+def test_prefill_attention_empty_batch(kv_format):
+    """No tokens: an empty output in the asked dtype from either scheme."""
+    args = list(prefill_args("tiny", kv_format, HCA, 4, ((0, 3),)))
+    for k in (0, 3, 4, 5):                  # q, new_kv, positions, token_request
+        args[k] = args[k][:0]
+    out = prefill_attention(*args, out_dtype=torch.bfloat16)
+    assert out.shape == (0, 4, 128) and out.dtype == torch.bfloat16
+
+
 def test_prefill_attention_scheme_errors():
     args = prefill_args("tiny", "fp32", SWA, 4, ((0, 3),))
     with pytest.raises(InputError, match="scheme="):
