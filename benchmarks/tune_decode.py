@@ -353,6 +353,54 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
                     "prefill_attention")
 
 
+def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
+    """The prefill indexer of one chunk after `cached` tokens (the last 8K chunk of a 32K prompt),
+    mxfp4 keys, V4-Flash indexer heads: scores of every token by the per-row decode scan and by the
+    grouped scan (tokens per program x tile x warps x programs per group), checked against the
+    per-row scores; then the whole selection (scores and top-k in 2,048-row slices) both ways."""
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.kernels.triton import indexer_prefill as ip
+    total, li = cached + chunk, LAYER_INDEX["csa"]
+    mgr = KVCacheManager(cfg, max_requests=1, num_blocks=total // tpb + 4, device=DEV, kv_format="fp8_ds",
+                         indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=cached)
+    mgr.add_request("r")
+    mgr.prepare_forward({"r": cached})
+    batch = mgr.prepare_forward({"r": chunk})
+    h, sch = mgr.acquire(li, batch), mgr.schemas[li]
+    n = total // sch.compress_ratio
+    h.flush_compression(torch.randn(n, cfg.head_dim, device=DEV), torch.zeros(n, dtype=torch.long, device=DEV),
+                        torch.arange(n, device=DEV), torch.randn(n, cfg.indexer_head_dim, device=DEV))
+    fmt, views, epb = sch.indexer_format, mgr.paged[li].indexer, sch.entries_per_block
+    q = fmt.round_query(fmt.to_stored_basis(torch.randn(chunk, cfg.index_n_heads, cfg.indexer_head_dim, device=DEV)))
+    g = torch.randn(chunk, cfg.index_n_heads, device=DEV)
+    visible = ((batch.positions.long() + 1) // sch.compress_ratio).to(torch.int32)
+    table = batch.block_table[:, :-(-n // epb)]
+    rows_table = table[batch.token_request.long()].contiguous()
+    want = sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table, visible, n, epb)
+    case = f"T={chunk} after {cached}"
+    check = lambda out: None if rel(out, want) < 1e-5 else f"rel {rel(out, want):.2e}"  # noqa: E731
+    attempt("pindexer", case, "per-row scan", lambda: sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table,
+                                                                                   visible, n, epb),
+            check, "indexer_scores")
+    for tokens, dt, bn, warps, progs in ((1, 1, 64, 4, 1), (2, 2, 64, 4, 1), (4, 4, 64, 4, 1), (4, 2, 64, 4, 1),
+                                         (4, 2, 64, 4, 2), (4, 1, 64, 4, 1), (8, 2, 64, 8, 1), (8, 2, 128, 8, 1)):
+        groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
+        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs}",
+                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs: ip.grouped_scores(
+                    q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt, block_n=bn,
+                    num_warps=warps, programs=progs),
+                check, "indexer_prefill_scan")
+    args = (q, g, views, fmt, batch.block_table, batch.token_request, batch.positions, batch.query_lens_host,
+            (n,), sch.compress_ratio, cfg.index_topk, epb)
+    ref_sel = ip.prefill_indexer_topk(*args, tokens=0)
+    for tokens in (0, ip.TOKENS):      # host work per slice (the groups' table): timed without a graph
+        run = lambda tokens=tokens: ip.prefill_indexer_topk(*args, tokens=tokens)  # noqa: E731
+        out = run()
+        us = 1e3 * triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+        record("pindexer", case, f"selection tokens={tokens or 'per-row'} (no graph)", us,
+               **({} if torch.equal(out, ref_sel) else {"WRONG": f"overlap {overlap(out, ref_sel):.4f}"}))
+
+
 def prefill_one(name: str, chunk: int, run: Callable[[], Any], nbytes: int) -> None:
     us = graph_us(run)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -413,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
     p.add_argument("--prefill-attention", action="store_true", help="only the prefill attention variants")
+    p.add_argument("--prefill-indexer", action="store_true", help="only the prefill indexer variants")
     p.add_argument("--only", choices=("topk", "attention"), help="only the top-k / attention variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -424,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         if a.prefill_attention:
             prefill_attention_variants(cfg, tpb)
+            a.prefill_only = a.no_prefill = True
+        if a.prefill_indexer:
+            prefill_indexer_variants(cfg, tpb)
             a.prefill_only = a.no_prefill = True
         fns = ([] if a.no_accuracy or a.prefill_only else [lambda: accuracy(cfg, tpb, blocks, 131072, 4)])
         for fn in fns + ([] if a.no_prefill else [prefill_compress]):

@@ -199,11 +199,13 @@ def test_handle_gathers_match_reference(device, fmts):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ifmt", ["fp32", "mxfp4"])
-def test_prefill_indexer_topk_matches_reference(device, ifmt):
+@pytest.mark.parametrize("ifmt,tokens,slice_rows", [("fp32", None, None), ("mxfp4", None, None), ("mxfp4", 0, None),
+                                                    ("mxfp4", None, 7), ("fp32", None, 7)])
+def test_prefill_indexer_topk_matches_reference(device, ifmt, tokens, slice_rows, monkeypatch):
     """Selections for ragged prefill chunks (plus a decode token) equal the reference's exactly,
     away from near-ties (queries rounded as the layer rounds them; the Triton scores then differ from
-    the reference's by fp32 summation order only)."""
+    the reference's by fp32 summation order only). slice_rows: score buffers of 7 rows, so slices
+    cut requests and groups of tokens."""
     cfg = tiny_config(index_topk=5)
     mgr = KVCacheManager(cfg, max_requests=3, num_blocks=16, device=device, kv_format="fp32",
                          indexer_format=ifmt, tokens_per_block=32)
@@ -222,9 +224,72 @@ def test_prefill_indexer_topk_matches_reference(device, ifmt):
     g = torch.randn(t, cfg.index_n_heads, device=device)
     args = (q, g, h.paged.indexer, h.schema.indexer_format, batch.block_table, batch.token_request, batch.positions,
             batch.query_lens_host, ne, 4, cfg.index_topk, h.schema.entries_per_block)
+    if slice_rows:
+        monkeypatch.setattr(tri_indexer, "_SCORE_BYTES", 4 * max(ne) * slice_rows)
+        monkeypatch.setattr(tri_indexer, "_MIN_ROWS", 1)
     a = ref_indexer.prefill_indexer_topk(*args)
-    b = tri_indexer.prefill_indexer_topk(*args)
+    b = tri_indexer.prefill_indexer_topk(*args, tokens=tokens)     # mxfp4: grouped scan (default), per row (0)
     assert a.shape == b.shape == (t, cfg.index_topk)
     assert torch.equal(a < 0, b < 0)                     # visibility: the same number of picks per token
     same = (a.sort(1).values == b.sort(1).values).all(1)
     assert same.float().mean() >= 0.97, same.float().mean()
+
+
+# ====================================================================== grouped prefill scan
+def test_token_groups_cut_runs_of_one_request():
+    g = tri_indexer.token_groups((5, 3, 9), 0, 17, 4, "cpu").tolist()
+    assert g == [[0, 4, 0], [4, 1, 0], [5, 3, 1], [8, 4, 2], [12, 4, 2], [16, 1, 2]]
+    # a slice [6, 12): rows relative to its start, cut at its edges
+    assert tri_indexer.token_groups((5, 3, 9), 6, 12, 4, "cpu").tolist() == [[0, 2, 1], [2, 4, 2]]
+    assert tri_indexer.token_groups((0, 2), 0, 2, 4, "cpu").tolist() == [[0, 2, 1]]
+
+
+def _chunk_rows(lens: tuple[int, ...], chunk: tuple[int, ...], ratio: int, dev: str):
+    """Query rows of a prefill chunk per request: the last chunk[b] positions before lens[b]."""
+    pos = torch.cat([torch.arange(n - c, n) for n, c in zip(lens, chunk)])
+    req = torch.cat([torch.full((c,), b) for b, c in enumerate(chunk)])
+    return pos.to(dev), req.to(dev), ((pos + 1) // ratio).to(torch.int32).to(dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,fmt,lens,chunk", [
+    ("tiny", "mxfp4", (17, 100, 3, 34, 64), (17, 37, 3, 5, 2)),
+    ("tiny", "nvfp4", (100, 33, 18), (9, 33, 6)),
+    ("real", "mxfp4", (129, 258, 257, 128), (3, 130, 11, 128)),
+])
+@pytest.mark.parametrize("tokens,programs", [(1, 1), (2, 2), (4, 1), (8, 3)])
+def test_grouped_scan_matches_reference_scores(device, kind, fmt, lens, chunk, tokens, programs):
+    """Each row of a group scores exactly its own visible entries (positions across 4-entry and
+    tile boundaries, 127/128/129, 255/256/257), -inf past them; output poisoned first."""
+    from test_triton_decode import TOL, cache, close
+
+    from dsv4.kernels.reference import decode as ref_decode
+    from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
+
+    mgr, batch = cache(kind, "bf16", fmt, lens, device)
+    sch, pool = mgr.schemas[1], mgr.paged[1]
+    pos, req, visible = _chunk_rows(lens, chunk, sch.compress_ratio, device)
+    gen = torch.Generator().manual_seed(tokens * 100 + len(lens))
+    heads = 16
+    q = sch.indexer_format.round_query(torch.randn(len(pos), heads, sch.indexer_head_dim, generator=gen).to(device))
+    w = torch.randn(len(pos), heads, generator=gen).to(device)
+    n_max = max(n // sch.compress_ratio for n in lens)
+    want = ref_decode.paged_indexer_scores(q, w, pool.indexer, sch.indexer_format, batch.block_table[req.long()],
+                                           visible, n_max, sch.entries_per_block)
+    groups = tri_indexer.token_groups(chunk, 0, len(pos), tokens, device)
+    out = torch.full((len(pos), n_max), float("nan"), device=device)
+    got = tri_indexer.grouped_scores(q, w, pool.indexer, sch.indexer_format, batch.block_table, visible, groups,
+                                     n_max, sch.entries_per_block, tokens=tokens, programs=programs, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    tol = TOL["ieee"] if DEFAULT_PRECISION[fmt] == "bf16" else TOL[DEFAULT_PRECISION[fmt]]
+    close(got, want, tol)
+
+
+def test_grouped_scan_refuses_other_formats():
+    mgr = KVCacheManager(tiny_config(), max_requests=1, num_blocks=4, device="cpu", kv_format="bf16",
+                         indexer_format="fp8", tokens_per_block=32)
+    sch, pool = mgr.schemas[1], mgr.paged[1]
+    with pytest.raises(ValueError, match="E2M1"):
+        tri_indexer.grouped_scores(torch.randn(2, 16, 64), torch.randn(2, 16), pool.indexer, sch.indexer_format,
+                                   torch.zeros(1, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                                   torch.tensor([[0, 2, 0]], dtype=torch.int32), 4, 8, tokens=2)

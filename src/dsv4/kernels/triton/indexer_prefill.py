@@ -1,23 +1,90 @@
-"""Triton indexer selection for prefill chunks: the decode scoring kernel, one row per query token.
+"""Triton indexer selection for prefill chunks.
 
-`paged_indexer_scores` scores rows that each have a block-table row and a count of visible
-entries. A prefill token t of request b is such a row: block_table[b] and (t + 1) // m visible
-entries. Tokens are scored in slices so the [rows, N] score buffer stays bounded, and each slice
-goes through the same exact top-k (ties to the smaller index) as decode.
+A prefill token t of request b scores the first (t + 1) // m entries of b's keys. Consecutive
+tokens of one request see (nearly) the same keys, so E2M1 keys (mxfp4, nvfp4, the scan's
+formats) go through `indexer_scan._prefill_scan_kernel`: a program takes a group of up to
+TOKENS such tokens and decodes each key tile once for all of them (one dot with the group's
+queries side by side). Other formats score one row per token with the decode kernel
+(`paged_indexer_scores`: block_table[b] and the token's count of visible entries).
+
+Tokens are scored in slices so the [rows, N] score buffer stays within 256 MiB (an 8K chunk
+over 8K entries is one slice; at N = 256K entries, 256 rows), and each slice goes through the same
+exact top-k (ties to the smaller index) as decode.
+
+Measured (H200, Triton 3.6; the last 8K chunk of a 32K prompt, mxfp4, 64 heads, CUDA-graph replays,
+`tune_decode.py --prefill-indexer`): scores of the chunk one row per token 3,292 µs; grouped, 4
+tokens per program as two dots of 2 (64 keys x 4 warps) 2,186 µs: 57% of the bf16 matrix rate
+on the chunk's 962 GFLOP (4 x 4 as one dot 2,207, 2 tokens 3,047, 8 tokens x 8 warps 2,528-2,784;
+8 warps at 4 tokens 3,660: the decoded tile is shared through shared memory by two warpgroups).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
-_ROWS = 2048  # query tokens per slice: scores [2048, N] fp32 (N = 8K entries: 64 MiB)
+from dsv4.kernels.triton import indexer_scan
+from dsv4.kernels.triton.decode_common import note_compile, precision_id
+from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
+
+_SCORE_BYTES = 256 << 20  # one slice's [rows, N] fp32 scores
+_MIN_ROWS = 256
+TOKENS = 4  # query tokens per program of the grouped scan
+
+
+def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, device) -> torch.Tensor:
+    """[G, 3] int32 (first row - r0, rows, request): rows r0 .. r1 - 1 of a batch packed request
+    after request, cut into runs of at most `tokens` consecutive rows of one request."""
+    groups, o = [], 0
+    for b, n in enumerate(query_lens):
+        for s in range(max(o, r0), min(o + n, r1), tokens):
+            groups.append((s - r0, min(tokens, o + n - s, r1 - s), b))
+        o += n
+    return torch.tensor(groups, dtype=torch.int32).reshape(-1, 3).to(device)
+
+
+def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
+                   block_table: torch.Tensor, visible: torch.Tensor, groups: torch.Tensor, max_entries: int, epb: int,
+                   *, tokens: int, dot_tokens: int | None = None, precision: str | None = None,
+                   block_n: int | None = None,
+                   programs: int = 1, num_warps: int = 4, num_stages: int | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [T, max_entries] of the rows of q [T, H, D_I] (fp32, the keys' stored basis) with
+    weights [T, H]: row r sees entries [0, visible[r]) of request groups[., 2]'s keys (block_table
+    rows are per request), -inf beyond. groups as `token_groups` with at most `tokens` rows each.
+    E2M1 keys (mxfp4, nvfp4) at bf16 / bf16x2 only. dot_tokens: tokens per dot (default min(tokens,
+    2)); out: where to write (default a new tensor)."""
+    typed = fmt.typed(idx_views)
+    data = typed["data"]
+    scale = typed.get("scale", data)
+    glob = typed.get("global", scale)
+    prec = precision_id(precision, DEFAULT_PRECISION[fmt.name])
+    if not indexer_scan.scan_supported(fmt.name, q.shape[-1], data, scale, prec):
+        raise ValueError(f"grouped_scores reads E2M1 keys at bf16 / bf16x2; got {fmt.name} at {precision}")
+    cuda = q.device.type == "cuda"
+    out = torch.empty(q.shape[0], max_entries, dtype=torch.float32, device=q.device) if out is None else out
+    if q.shape[0] == 0 or max_entries == 0 or groups.shape[0] == 0:
+        return out.fill_(float("-inf"))
+    bn = block_n or (64 if cuda else 16)
+    tiles = triton.cdiv(max_entries, bn)
+    tokens = triton.next_power_of_2(tokens)
+    dt = min(tokens, dot_tokens or 2)
+    weights = weights.float()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    k = indexer_scan.launch_prefill_scan(
+        (groups.shape[0], min(programs, tiles)), q.float().contiguous(), weights, out, data, scale, glob,
+        block_table, visible.to(torch.int32), groups, tiles, max_entries, epb, 1.0, fmt_name=fmt.name, prec=prec,
+        cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, num_warps=num_warps, num_stages=num_stages)
+    note_compile("indexer_prefill_scan", k)
+    return out
 
 
 def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
                          block_table: torch.Tensor, token_request: torch.Tensor, positions: torch.Tensor,
                          query_lens: tuple[int, ...], num_entries: tuple[int, ...], ratio: int, topk: int,
-                         epb: int) -> torch.Tensor:
-    """Same contract as `dsv4.kernels.reference.indexer.prefill_indexer_topk`."""
+                         epb: int, *, tokens: int | None = None) -> torch.Tensor:
+    """Same contract as `dsv4.kernels.reference.indexer.prefill_indexer_topk`. tokens: query tokens
+    per program of the grouped scan (default `TOKENS`; 0: one row per token, the decode kernel)."""
     from dsv4.kernels.triton.ops import namespace
 
     ops = namespace()
@@ -28,11 +95,24 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
     # Only the batch's used block-table columns: a 1M-token table is 4,096 columns wide.
     cols = -(-n_max // epb)
     table = block_table[:, :cols]
-    for r0 in range(0, q.shape[0], _ROWS):
-        r1 = min(r0 + _ROWS, q.shape[0])
-        rows_table = table[token_request[r0:r1].long()].contiguous()
+    typed = fmt.typed(idx_views)
+    tokens = TOKENS if tokens is None else tokens
+    grouped = tokens > 0 and indexer_scan.scan_supported(
+        fmt.name, q.shape[-1], typed["data"], typed.get("scale", typed["data"]),
+        precision_id(None, DEFAULT_PRECISION.get(fmt.name, "ieee")))
+    q = q.float().contiguous()
+    rows = max(_MIN_ROWS, _SCORE_BYTES // (4 * n_max))
+    for r0 in range(0, q.shape[0], rows):
+        r1 = min(r0 + rows, q.shape[0])
         visible = ((positions[r0:r1].long() + 1) // ratio).to(torch.int32)
-        scores = ops.paged_indexer_scores(q[r0:r1].contiguous(), weights[r0:r1].contiguous(), idx_views, fmt,
-                                          rows_table, visible, n_max, epb)
+        if grouped:
+            groups = token_groups(query_lens, r0, r1, tokens, q.device)
+            scores = grouped_scores(q[r0:r1], weights[r0:r1], idx_views, fmt, table, visible, groups, n_max, epb,
+                                    tokens=tokens)
+        else:
+            rows_table = table[token_request[r0:r1].long()].contiguous()
+            scores = ops.paged_indexer_scores(q[r0:r1].contiguous(), weights[r0:r1].contiguous(), idx_views, fmt,
+                                              rows_table, visible, n_max, epb)
         out[r0:r1] = ops.topk_smaller_index(scores, topk)
     return out
+

@@ -248,3 +248,110 @@ def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entri
         SCALE_T=_SCALE_WORD[dim // ge],
         ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra,
         **pdl_launch(q.device))
+
+
+@triton.jit
+def _group_part(q_ptr, w_ptr, vis_ptr, r0, cnt, s_qb, s_qh, s_wb, max_entries, w_scale, NATIVE: tl.constexpr,
+                H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, FIRST: tl.constexpr, DT: tl.constexpr):
+    """Tokens FIRST .. FIRST + DT - 1 of a group: q^T [D, DT * BLOCK_H] (hi, lo parts; column j is
+    token j // BLOCK_H, head j % BLOCK_H), weights [DT * BLOCK_H], visible entries [DT]."""
+    j = tl.arange(0, DT * BLOCK_H)
+    tok = FIRST + j // BLOCK_H
+    h = j % BLOCK_H
+    jmask = (h < H) & (tok < cnt)
+    wts = tl.load(w_ptr + (r0 + tok) * s_wb + h, mask=jmask, other=0.0).to(tl.float32) * w_scale
+    d = tl.arange(0, D)
+    qt = tl.load(q_ptr + (r0 + tok)[None, :] * s_qb + h[None, :] * s_qh + d[:, None], mask=jmask[None, :], other=0.0)
+    if NATIVE:
+        qt_hi = qt.to(tl.bfloat16)
+        qt_lo = (qt - qt_hi.to(tl.float32)).to(tl.bfloat16)
+    else:       # the interpreter's bf16 dot is wrong: the same rounded operands through fp32 dots
+        qt_hi = qt.to(tl.bfloat16).to(tl.float32)
+        qt_lo = (qt - qt_hi).to(tl.bfloat16).to(tl.float32)
+    t = FIRST + tl.arange(0, DT)
+    n_t = tl.minimum(tl.load(vis_ptr + r0 + t, mask=t < cnt, other=0), max_entries)
+    return qt_hi, qt_lo, wts, n_t
+
+
+@triton.jit
+def _prefill_scan_kernel(
+        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, vis_ptr, grp_ptr,
+        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
+        num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
+        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+        D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
+        DOT_TOKENS: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr,
+        ASM: tl.constexpr):
+    """Program (g, p) scores rows r0 .. r0 + cnt - 1 of group g (cnt <= TOKENS consecutive query
+    tokens of one request: grp[g] = (r0, cnt, request)) on key tiles p, p + P, ... Each key tile is
+    loaded and decoded once for all of the group's tokens: per DOT_TOKENS of them one dot
+    S^T [N, DOT_TOKENS * BLOCK_H] = K . [q_t | q_t+1 | ...]^T (the decoded tile stays the register
+    operand), then per token score[n] = sum_h w_h ReLU(S^T[n, h]). Row r's tiles at or past vis[r]
+    store -inf."""
+    g = tl.program_id(0)
+    p0 = tl.program_id(1)
+    step = tl.num_programs(1)
+    r0 = tl.load(grp_ptr + 3 * g)
+    cnt = tl.load(grp_ptr + 3 * g + 1)
+    req = tl.load(grp_ptr + 3 * g + 2)
+    parts = ()
+    n_all = 0
+    for i in tl.static_range(TOKENS // DOT_TOKENS):
+        part = _group_part(q_ptr, w_ptr, vis_ptr, r0, cnt, s_qb, s_qh, s_wb, max_entries, w_scale, NATIVE, H,
+                           BLOCK_H, D, i * DOT_TOKENS, DOT_TOKENS)
+        parts = parts + (part,)
+        n_all = tl.maximum(n_all, tl.max(part[3], axis=0))
+    nt = tl.cdiv(n_all, BLOCK_N)
+    bt_row = bt_ptr + req.to(tl.int64) * s_bt
+    ar = tl.arange(0, BLOCK_N)
+    t = tl.arange(0, DOT_TOKENS)
+    for tile in range(p0, nt, step):
+        offs = tile * BLOCK_N + ar
+        valid = offs < n_all
+        pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
+        words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
+                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
+        k = _decode_words(words, sc, BLOCK_N, D, ASM)
+        if NATIVE:
+            k = k.to(tl.bfloat16)
+            ip: tl.constexpr = None
+        else:
+            ip: tl.constexpr = "ieee"
+        for i in tl.static_range(TOKENS // DOT_TOKENS):
+            qt_hi, qt_lo, wts, n_t = parts[i]
+            s = tl.dot(k, qt_hi, input_precision=ip)                              # [N, DOT_TOKENS * BLOCK_H]
+            if PREC == 2:
+                s += tl.dot(k, qt_lo, input_precision=ip)
+            v = tl.reshape(tl.maximum(s, 0.0) * wts[None, :], [BLOCK_N, DOT_TOKENS, BLOCK_H])
+            score = tl.sum(v, axis=2) * (gl * out_scale)[:, None]                   # [N, DOT_TOKENS]
+            rows = i * DOT_TOKENS + t
+            ok = offs[:, None] < n_t[None, :]
+            tl.store(out_ptr + (r0 + rows).to(tl.int64)[None, :] * s_ob + offs[:, None],
+                     tl.where(ok, score, float("-inf")), mask=(rows < cnt)[None, :] & (offs[:, None] < max_entries))
+    # tiles past the group's entries: -inf only
+    first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
+    rows = tl.arange(0, TOKENS)
+    out_rows = out_ptr + (r0 + rows).to(tl.int64)[None, :] * s_ob
+    for tile in range(first, num_tiles, step):
+        offs = tile * BLOCK_N + ar
+        tl.store(out_rows + offs[:, None], tl.full([BLOCK_N, TOKENS], float("-inf"), tl.float32),
+                 mask=(rows < cnt)[None, :] & (offs[:, None] < max_entries))
+
+
+def launch_prefill_scan(grid, q, weights, out, data, scale, glob, block_table, visible, groups, tiles, max_entries,
+                        epb, weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, tokens: int,
+                        dot_tokens: int, num_warps: int, num_stages: int | None, asm: bool = True):
+    """`_prefill_scan_kernel` over groups [G, 3] int32 (first row, rows, request) of q [T, H, D]."""
+    heads, dim = q.shape[1], q.shape[2]
+    ge = _group_size(fmt_name)
+    extra = {"num_stages": num_stages} if num_stages else {}
+    return _prefill_scan_kernel[grid](
+        q, weights, out, data, scale, glob, block_table, visible, groups,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
+        scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
+        tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
+        FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
+        TOKENS=tokens, DOT_TOKENS=dot_tokens, UNIT=14, UNIT_MUL=2.0 ** 14,
+        SCALE_T=_SCALE_WORD[dim // ge],
+        ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra)
