@@ -382,14 +382,22 @@ def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 245
     attempt("pindexer", case, "per-row scan", lambda: sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table,
                                                                                    visible, n, epb),
             check, "indexer_scores")
-    for tokens, dt, bn, warps, progs in ((1, 1, 64, 4, 1), (2, 2, 64, 4, 1), (4, 4, 64, 4, 1), (4, 2, 64, 4, 1),
-                                         (4, 2, 64, 4, 2), (4, 1, 64, 4, 1), (8, 2, 64, 8, 1), (8, 2, 128, 8, 1)):
+    for tokens, dt, bn, warps, progs, pf in ((1, 1, 64, 4, 1, False), (4, 4, 64, 4, 1, False),
+                                             (4, 2, 64, 4, 1, False), (4, 2, 64, 4, 1, True), (4, 2, 64, 4, 2, True),
+                                             (4, 2, 64, 8, 1, True), (8, 2, 64, 8, 1, True)):
         groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
-        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs}",
-                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs: ip.grouped_scores(
+        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs} prefetch={pf}",
+                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs, pf=pf: ip.grouped_scores(
                     q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt, block_n=bn,
-                    num_warps=warps, programs=progs),
+                    num_warps=warps, programs=progs, prefetch=pf),
                 check, "indexer_prefill_scan")
+    scores = ip.grouped_scores(q, g, views, fmt, table, visible, ip.token_groups((chunk,), 0, chunk, ip.TOKENS, DEV), n,
+                               epb, tokens=ip.TOKENS)
+    top = topk_mod.topk_smaller_index(scores, cfg.index_topk)
+    for kw in ({}, dict(num_warps=8, block=4096)):
+        attempt("pindexer", case, "top-k " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
+                lambda kw=kw: topk_mod.topk_smaller_index(scores, cfg.index_topk, **kw),
+                lambda out: None if torch.equal(out, top) else "differs")
     args = (q, g, views, fmt, batch.block_table, batch.token_request, batch.positions, batch.query_lens_host,
             (n,), sch.compress_ratio, cfg.index_topk, epb)
     ref_sel = ip.prefill_indexer_topk(*args, tokens=0)

@@ -257,8 +257,9 @@ def _chunk_rows(lens: tuple[int, ...], chunk: tuple[int, ...], ratio: int, dev: 
     ("tiny", "nvfp4", (100, 33, 18), (9, 33, 6)),
     ("real", "mxfp4", (129, 258, 257, 128), (3, 130, 11, 128)),
 ])
-@pytest.mark.parametrize("tokens,programs", [(1, 1), (2, 2), (4, 1), (8, 3)])
-def test_grouped_scan_matches_reference_scores(device, kind, fmt, lens, chunk, tokens, programs):
+@pytest.mark.parametrize("tokens,programs,prefetch", [(1, 1, False), (2, 2, True), (4, 1, False), (4, 3, True),
+                                                     (8, 3, False)])
+def test_grouped_scan_matches_reference_scores(device, kind, fmt, lens, chunk, tokens, programs, prefetch):
     """Each row of a group scores exactly its own visible entries (positions across 4-entry and
     tile boundaries, 127/128/129, 255/256/257), -inf past them; output poisoned first."""
     from test_triton_decode import TOL, cache, close
@@ -279,7 +280,8 @@ def test_grouped_scan_matches_reference_scores(device, kind, fmt, lens, chunk, t
     groups = tri_indexer.token_groups(chunk, 0, len(pos), tokens, device)
     out = torch.full((len(pos), n_max), float("nan"), device=device)
     got = tri_indexer.grouped_scores(q, w, pool.indexer, sch.indexer_format, batch.block_table, visible, groups,
-                                     n_max, sch.entries_per_block, tokens=tokens, programs=programs, out=out)
+                                     n_max, sch.entries_per_block, tokens=tokens, programs=programs, prefetch=prefetch,
+                                     out=out)
     assert got.data_ptr() == out.data_ptr()
     tol = TOL["ieee"] if DEFAULT_PRECISION[fmt] == "bf16" else TOL[DEFAULT_PRECISION[fmt]]
     close(got, want, tol)

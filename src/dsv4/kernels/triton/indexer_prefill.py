@@ -3,7 +3,7 @@
 A prefill token t of request b scores the first (t + 1) // m entries of b's keys. Consecutive
 tokens of one request see (nearly) the same keys, so E2M1 keys (mxfp4, nvfp4, the scan's
 formats) go through `indexer_scan._prefill_scan_kernel`: a program takes a group of up to
-TOKENS such tokens and decodes each key tile once for all of them (one dot with the group's
+TOKENS such tokens and decodes each key tile once for all of them (dots with two tokens'
 queries side by side). Other formats score one row per token with the decode kernel
 (`paged_indexer_scores`: block_table[b] and the token's count of visible entries).
 
@@ -12,10 +12,12 @@ over 8K entries is one slice; at N = 256K entries, 256 rows), and each slice goe
 exact top-k (ties to the smaller index) as decode.
 
 Measured (H200, Triton 3.6; the last 8K chunk of a 32K prompt, mxfp4, 64 heads, CUDA-graph replays,
-`tune_decode.py --prefill-indexer`): scores of the chunk one row per token 3,292 µs; grouped, 4
-tokens per program as two dots of 2 (64 keys x 4 warps) 2,186 µs: 57% of the bf16 matrix rate
-on the chunk's 962 GFLOP (4 x 4 as one dot 2,207, 2 tokens 3,047, 8 tokens x 8 warps 2,528-2,784;
-8 warps at 4 tokens 3,660: the decoded tile is shared through shared memory by two warpgroups).
+`tune_decode.py --prefill-indexer`): scores of the chunk one row per token 3,320 µs; grouped, 4
+tokens per program as two dots of 2 tokens, 64 keys x 4 warps, the next tile's bytes loaded over
+this one's math (as the decode scan): 1,963 µs, the chunk's 962 GFLOP at 64% of the bf16 matrix
+rate `dsv4 bench` measures (764 TFLOP/s). No prefetch 2,199; 4 tokens as one dot 2,228; 2 tokens
+3,039; 8 tokens x 8 warps 2,321; 4 tokens at 8 warps 2,828 (two warpgroups share the decoded
+tile through shared memory).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, dev
 def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
                    block_table: torch.Tensor, visible: torch.Tensor, groups: torch.Tensor, max_entries: int, epb: int,
                    *, tokens: int, dot_tokens: int | None = None, precision: str | None = None,
-                   block_n: int | None = None,
+                   block_n: int | None = None, prefetch: bool = True,
                    programs: int = 1, num_warps: int = 4, num_stages: int | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [T, max_entries] of the rows of q [T, H, D_I] (fp32, the keys' stored basis) with
@@ -74,7 +76,8 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     k = indexer_scan.launch_prefill_scan(
         (groups.shape[0], min(programs, tiles)), q.float().contiguous(), weights, out, data, scale, glob,
         block_table, visible.to(torch.int32), groups, tiles, max_entries, epb, 1.0, fmt_name=fmt.name, prec=prec,
-        cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, num_warps=num_warps, num_stages=num_stages)
+        cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, prefetch=prefetch, num_warps=num_warps,
+        num_stages=num_stages)
     note_compile("indexer_prefill_scan", k)
     return out
 

@@ -280,8 +280,8 @@ def _prefill_scan_kernel(
         num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr,
-        DOT_TOKENS: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr,
-        ASM: tl.constexpr):
+        DOT_TOKENS: tl.constexpr, PREFETCH: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr,
+        SCALE_T: tl.constexpr, ASM: tl.constexpr):
     """Program (g, p) scores rows r0 .. r0 + cnt - 1 of group g (cnt <= TOKENS consecutive query
     tokens of one request: grp[g] = (r0, cnt, request)) on key tiles p, p + P, ... Each key tile is
     loaded and decoded once for all of the group's tokens: per DOT_TOKENS of them one dot
@@ -305,12 +305,26 @@ def _prefill_scan_kernel(
     bt_row = bt_ptr + req.to(tl.int64) * s_bt
     ar = tl.arange(0, BLOCK_N)
     t = tl.arange(0, DOT_TOKENS)
+    if PREFETCH:    # as the decode scan: tile t + P's bytes and tile t + 2P's pages in flight over tile t
+        o0 = p0 * BLOCK_N + ar
+        pg, rw = _locate(bt_row, o0, o0 < n_all, EPB, max_blocks)
+        words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, o0 < n_all, s_dp, s_dr, s_sp, s_sr,
+                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
+        o1 = o0 + step * BLOCK_N
+        pg_n, rw_n = _locate(bt_row, o1, o1 < n_all, EPB, max_blocks)
     for tile in range(p0, nt, step):
         offs = tile * BLOCK_N + ar
-        valid = offs < n_all
-        pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
-        words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
-                                    s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
+        if PREFETCH:
+            o2 = offs + 2 * step * BLOCK_N
+            pg_nn, rw_nn = _locate(bt_row, o2, o2 < n_all, EPB, max_blocks)
+            o1 = offs + step * BLOCK_N
+            words_n, sc_n, gl_n = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg_n, rw_n, o1 < n_all, s_dp, s_dr,
+                                              s_sp, s_sr, s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
+        else:
+            valid = offs < n_all
+            pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
+            words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
+                                        s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
         k = _decode_words(words, sc, BLOCK_N, D, ASM)
         if NATIVE:
             k = k.to(tl.bfloat16)
@@ -328,6 +342,9 @@ def _prefill_scan_kernel(
             ok = offs[:, None] < n_t[None, :]
             tl.store(out_ptr + (r0 + rows).to(tl.int64)[None, :] * s_ob + offs[:, None],
                      tl.where(ok, score, float("-inf")), mask=(rows < cnt)[None, :] & (offs[:, None] < max_entries))
+        if PREFETCH:
+            words, sc, gl = words_n, sc_n, gl_n
+            pg_n, rw_n = pg_nn, rw_nn
     # tiles past the group's entries: -inf only
     first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
     rows = tl.arange(0, TOKENS)
@@ -340,7 +357,8 @@ def _prefill_scan_kernel(
 
 def launch_prefill_scan(grid, q, weights, out, data, scale, glob, block_table, visible, groups, tiles, max_entries,
                         epb, weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, tokens: int,
-                        dot_tokens: int, num_warps: int, num_stages: int | None, asm: bool = True):
+                        dot_tokens: int, prefetch: bool, num_warps: int, num_stages: int | None,
+                        asm: bool = True):
     """`_prefill_scan_kernel` over groups [G, 3] int32 (first row, rows, request) of q [T, H, D]."""
     heads, dim = q.shape[1], q.shape[2]
     ge = _group_size(fmt_name)
@@ -352,6 +370,6 @@ def launch_prefill_scan(grid, q, weights, out, data, scale, glob, block_table, v
         tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
         FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
-        TOKENS=tokens, DOT_TOKENS=dot_tokens, UNIT=14, UNIT_MUL=2.0 ** 14,
+        TOKENS=tokens, DOT_TOKENS=dot_tokens, PREFETCH=prefetch, UNIT=14, UNIT_MUL=2.0 ** 14,
         SCALE_T=_SCALE_WORD[dim // ge],
         ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra)
