@@ -1,110 +1,192 @@
-"""Variants of a prefill chunk's compression, timed as `dsv4 bench` times compress_flush (CUDA only).
-
-    python benchmarks/tune_prefill.py [--layers csa,hca] [--rounds 2] [VARIANT ...]
-
-A variant is JSON: {"comp": {input width: compress_update tiles}, "ww": {row channels: write warps}},
-e.g. '{"comp": {"512": {"split": 8, "num_warps": 8}}}' (HCA: c, z are 512 wide; CSA main 1024,
-indexer 256) or '{"ww": {"128": 2}}' (indexer-key writes at two warps); "{}" is the defaults.
-Each variant times what the layer runs per chunk (`compress_and_flush`: compressors, their
-writes, CSA's indexer chain on the side stream) over a 32K prompt in 8K chunks: L2 flushed and a
-spin ahead of each chunk, chunks summed, median of 15 runs (`Timer.time_regions`). Rounds
-alternate the variants; the last lines are every round's µs per variant.
-"""
+"""Variants of the prefill-chunk kernels at V4-Flash shapes (CUDA only), run by `tune_decode.py`
+(--prefill-only, --prefill-attention, --prefill-indexer): the chunk's compressors against a stream
+read of their inputs, the prefill attention of the last 8K chunk of a 32K prompt, and its indexer
+(per-row and grouped scans, top-k, the whole selection)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import triton
+import triton.language as tl
+from tune_common import DEV, attempt, graph_us, overlap, record, rel
 
-from dsv4.bench import setup as bench_setup
-from dsv4.bench.common import LAYER_INDEX, bench_config
-from dsv4.bench.prefill import compress_flush
-from dsv4.bench.timing import Timer
-from dsv4.cache.manager import KVCacheManager
-from dsv4.cache.schema import block_fill_ratio, blocks_needed, build_schemas
-from dsv4.kernels.dispatch import ops_for
-from dsv4.kernels.triton import cache_ops, compress
-
-DEV = torch.device("cuda")
-DEFAULT_VARIANTS = ["{}", '{"ww": {"128": 2}}', '{"comp": {"1024": {"block_s": 4}}}',
-                    '{"comp": {"256": {"block_s": 4}}}', '{"comp": {"1024": {"segs": 2}}}',
-                    '{"comp": {"512": {"split": 16, "num_warps": 4, "block_s": 4}}}',
-                    '{"comp": {"512": {"num_warps": 4}}}', '{"comp": {"512": {"block_s": 4}}}']
+from dsv4.bench.common import LAYER_INDEX
+from dsv4.kernels.triton import indexer_scores as sc_mod
+from dsv4.kernels.triton import topk as topk_mod
 
 
-def apply(spec: str, ops: types.SimpleNamespace) -> None:
-    """Route the op namespace's compress_update and the writes' warps through the variant."""
-    d = json.loads(spec)
-    tiles = {int(k): v for k, v in d.get("comp", {}).items()}
-    warps = {int(k): v for k, v in d.get("ww", {}).items()}
-
-    def compress_update(c, z, *a, **k):
-        return compress.compress_update(c, z, *a, **{**k, **tiles.get(c.shape[1], {})})
-
-    ops.compress_update = compress_update
-    cache_ops._write_warps = lambda dim: warps.get(dim, _DEFAULT_WARPS(dim))
+@triton.jit
+def _stream_kernel(c_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """The read floor of a compressor's inputs: c and z in contiguous tiles of BLOCK elements, one sum out."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(c_ptr + offs, mask=m, other=0.0).to(tl.float32) + tl.load(z_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(x, 0))
 
 
-_DEFAULT_WARPS = cache_ops._write_warps
+def prefill_compress(chunk: int = 8192) -> None:
+    """compress_update of one prefill chunk (a request's first): device time (graph replay) and the
+    time from a synced start to its end (host work included, as `dsv4 bench` times it)."""
+    from dsv4.kernels.triton.compress import compress_update
+    dev = DEV
+    cases = (("csa main", 512, 4, True), ("csa indexer", 128, 4, True), ("hca", 512, 128, False))
+    for name, d, ratio, ov in cases:
+        dc = 2 * d if ov else d
+        c = torch.randn(chunk, dc, device=dev).bfloat16()          # as the layer's projection GEMM gives them
+        z = torch.randn(chunk, dc, device=dev).bfloat16()
+        bias = torch.randn(ratio, dc, device=dev)
+        state = torch.zeros(4, 3, 2 if ov else 1, d, device=dev)
+        slots = torch.tensor([1], dtype=torch.int32, device=dev)
+        nbytes = 2 * chunk * dc * 2 + (chunk // ratio) * d * 4
+
+        # (segs, block_d, block_s, split, num_warps); {} = the defaults
+        variants: list[dict[str, int]] = [{}]
+        if name == "csa main":
+            variants += [dict(block_s=8), dict(num_warps=2), dict(num_warps=8), dict(segs=8), dict(segs=2, num_warps=2),
+                         dict(single=False)]
+        elif name == "csa indexer":
+            variants += [dict(block_s=4), dict(num_warps=2), dict(segs=8), dict(segs=2, num_warps=1),
+                         dict(single=False)]
+        else:
+            variants += [dict(block_s=8), dict(block_s=2), dict(split=32), dict(block_d=16, num_warps=2),
+                         dict(block_d=64, num_warps=8), dict(segs=4, num_warps=8), dict(single=False)]
+        sums = torch.empty(triton.cdiv(c.numel(), 4096), device=dev)
+        prefill_one(name + " read floor (stream c, z)", chunk,
+                    lambda c=c, z=z, sums=sums: _stream_kernel[(sums.numel(),)](c, z, sums, c.numel(), BLOCK=4096),
+                    2 * chunk * dc * 2)
+        cf, zf = c.float(), z.float() + bias[torch.arange(chunk, device=dev) % ratio]
+        prefill_one(name + " fp32 inputs, bias added before (the layer's old path, kernel only)", chunk,
+                    lambda cf=cf, zf=zf, state=state, slots=slots, ratio=ratio, ov=ov:
+                    compress_update(cf, zf, state, slots, (chunk,), (chunk,), ratio, ov), nbytes)
+        for kw in variants:
+            def run(c=c, z=z, state=state, slots=slots, ratio=ratio, ov=ov, kw=kw, bias=bias):
+                return compress_update(c, z, state, slots, (chunk,), (chunk,), ratio, ov, z_bias=bias, **kw)
+
+            prefill_one(name + " " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"), chunk, run, nbytes)
 
 
-def chunked_run(blk, proj: dict[str, torch.Tensor], mgr: KVCacheManager, li: int, ops: types.SimpleNamespace,
-                total: int, n: int):
-    """One run of the prompt for `Timer.time_regions`: a fresh request, one region per chunk."""
-    def run(region):
-        if "p" in mgr.requests:
-            mgr.free_request("p")
-        mgr.add_request("p")
-        for t0 in range(0, total, n):
-            b = mgr.prepare_forward({"p": n})
-            torch.cuda.synchronize()
-            region(lambda t0=t0, b=b: compress_flush(blk, {k: v[t0:t0 + n] for k, v in proj.items()}, b, mgr, li,
-                                                      ops))
-    return run
+def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
+    """prefill_attention of one chunk after `cached` tokens (the last 8K chunk of a 32K prompt), fp8_ds,
+    V4-Flash heads: CSA over a random top-512 selection of the visible entries per token, HCA over
+    every visible entry; each variant checked against the default's output."""
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.kernels.triton.prefill_attention import prefill_attention
+    total = cached + chunk
+    mgr = KVCacheManager(cfg, max_requests=1, num_blocks=total // tpb + 4, device=DEV, kv_format="fp8_ds",
+                         indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=cached)
+    mgr.add_request("r")
+    b1 = mgr.prepare_forward({"r": cached})
+    for li in LAYER_INDEX.values():
+        mgr.acquire(li, b1).write_swa(torch.randn(cached, cfg.head_dim, device=DEV))
+    batch = mgr.prepare_forward({"r": chunk})
+    q = torch.randn(chunk, cfg.num_attention_heads, cfg.head_dim, device=DEV)
+    sinks = torch.randn(cfg.num_attention_heads, device=DEV)
+    for kind, li in LAYER_INDEX.items():
+        h, sch = mgr.acquire(li, batch), mgr.schemas[li]
+        old_kv, old_pos, _ = h.gather_swa_kv()
+        ratio = sch.compress_ratio
+        n = total // ratio
+        keys = torch.randn(n, cfg.indexer_head_dim, device=DEV) if sch.indexer_format is not None else None
+        h.flush_compression(torch.randn(n, cfg.head_dim, device=DEV), torch.zeros(n, dtype=torch.long, device=DEV),
+                            torch.arange(n, device=DEV), keys)
+        indices = None
+        if kind == "csa":
+            vis = (batch.positions.long() + 1) // ratio                                   # [T]
+            r = torch.rand(chunk, n, device=DEV).masked_fill(torch.arange(n, device=DEV)[None, :] >= vis[:, None], 2)
+            indices = r.topk(cfg.index_topk, dim=1, largest=False).indices                # distinct visible picks
+        new_kv = sch.kv_format.roundtrip(torch.randn(chunk, cfg.head_dim, device=DEV))
+        args = (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
+                cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
+                indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
+        want = prefill_attention(*args, scheme="fused")
+        for kw in ({}, dict(scheme="fused"), dict(scheme="halves", block_n=16),
+                   dict(scheme="fused", block_h=16, block_n=32, num_warps=8),
+                   dict(scheme="fused", block_h=16, block_n=64, num_warps=8, num_stages=2)):
+            attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
+                    lambda kw=kw, args=args: prefill_attention(*args, **kw),
+                    lambda out, want=want: None if rel(out, want) < 1e-2 else f"rel {rel(out, want):.2e}",
+                    "prefill_attention")
+        # the layer's form: the inverse rotation and the bf16 output in the attention op
+        finish = dict(rope=(torch.rand(chunk, 32, device=DEV), torch.rand(chunk, 32, device=DEV)),
+                      out_dtype=torch.bfloat16)
+        want = prefill_attention(*args, scheme="fused", **finish).float()
+        for kw in (dict(scheme="fused", **finish), dict(scheme="halves", **finish)):
+            attempt("pattn", f"{kind} T={chunk}", f"scheme={kw['scheme']} rope bf16-out",
+                    lambda kw=kw, args=args: prefill_attention(*args, **kw),
+                    lambda out, want=want: None if rel(out.float(), want) < 1e-2 else f"rel {rel(out.float(), want)}",
+                    "prefill_attention")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="*", default=DEFAULT_VARIANTS)
-    ap.add_argument("--layers", default="csa,hca")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=32768)
-    ap.add_argument("--chunk", type=int, default=8192)
-    args = ap.parse_args()
-    cfg, tpb = bench_config(False)
-    timer = Timer(types.SimpleNamespace(device=DEV, warmup_ms=10, rep_ms=50, host_warmup=3, host_reps=15,
-                                        graph=False))
-    ops = types.SimpleNamespace(**vars(ops_for(DEV, "triton")))         # a copy: the cached namespace stays
-    n, total = args.chunk, args.prompt
-    schemas = build_schemas(cfg, tokens_per_block=tpb, kv_format="fp8_ds", indexer_format_name="mxfp4")
-    blocks = blocks_needed(total, tpb, block_fill_ratio(schemas)) + 1
-    results: dict[tuple[str, str], list[float]] = {}
-    with torch.no_grad():
-        for kind in args.layers.split(","):
-            li = LAYER_INDEX[kind]
-            blk = bench_setup.make_block(cfg, li, DEV, 0)
-            comp = blk.compressor
-            x = torch.randn(total, cfg.hidden_size, device=DEV).to(torch.bfloat16)
-            proj = {"c": comp.kv_proj(x), "z": comp.gate_proj(x)}
-            if comp.overlap:
-                proj.update(ic=comp.indexer.kv_proj(x), iz=comp.indexer.gate_proj(x))
-            mgr = KVCacheManager(cfg, max_requests=1, num_blocks=blocks, device=DEV, kv_format="fp8_ds",
-                                 indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=n)
-            run = chunked_run(blk, proj, mgr, li, ops, total, n)
-            for r in range(args.rounds):
-                for spec in args.variants:
-                    apply(spec, ops)
-                    us = timer.time_regions(run).us
-                    results.setdefault((kind, spec), []).append(us)
-                    print(f"{kind} round {r} {us:8.1f} µs  {spec}", flush=True)
-            apply("{}", ops)
-    print("\nper variant, every round (µs):")
-    for (kind, spec), v in results.items():
-        print(f"{kind} " + " ".join(f"{u:7.1f}" for u in v) + f"  {spec}")
+def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
+    """The prefill indexer of one chunk after `cached` tokens (the last 8K chunk of a 32K prompt),
+    mxfp4 keys, V4-Flash indexer heads: scores of every token by the per-row decode scan and by the
+    grouped scan (tokens per program x tile x warps x programs per group), checked against the
+    per-row scores; then the whole selection (scores and top-k in 2,048-row slices) both ways."""
+    from dsv4.cache.manager import KVCacheManager
+    from dsv4.kernels.triton import indexer_prefill as ip
+    total, li = cached + chunk, LAYER_INDEX["csa"]
+    mgr = KVCacheManager(cfg, max_requests=1, num_blocks=total // tpb + 4, device=DEV, kv_format="fp8_ds",
+                         indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=cached)
+    mgr.add_request("r")
+    mgr.prepare_forward({"r": cached})
+    batch = mgr.prepare_forward({"r": chunk})
+    h, sch = mgr.acquire(li, batch), mgr.schemas[li]
+    n = total // sch.compress_ratio
+    h.flush_compression(torch.randn(n, cfg.head_dim, device=DEV), torch.zeros(n, dtype=torch.long, device=DEV),
+                        torch.arange(n, device=DEV), torch.randn(n, cfg.indexer_head_dim, device=DEV))
+    fmt, views, epb = sch.indexer_format, mgr.paged[li].indexer, sch.entries_per_block
+    q = fmt.round_query(fmt.to_stored_basis(torch.randn(chunk, cfg.index_n_heads, cfg.indexer_head_dim, device=DEV)))
+    g = torch.randn(chunk, cfg.index_n_heads, device=DEV)
+    visible = ((batch.positions.long() + 1) // sch.compress_ratio).to(torch.int32)
+    table = batch.block_table[:, :-(-n // epb)]
+    rows_table = table[batch.token_request.long()].contiguous()
+    want = sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table, visible, n, epb)
+    case = f"T={chunk} after {cached}"
+    check = lambda out: None if rel(out, want) < 1e-5 else f"rel {rel(out, want):.2e}"  # noqa: E731
+    attempt("pindexer", case, "per-row scan", lambda: sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table,
+                                                                                   visible, n, epb),
+            check, "indexer_scores")
+    for tokens, dt, bn, warps, progs, pf in ((1, 1, 64, 4, 1, False), (4, 4, 64, 4, 1, False),
+                                             (4, 2, 64, 4, 1, False), (4, 2, 64, 4, 1, True), (4, 2, 64, 4, 2, True),
+                                             (4, 2, 64, 8, 1, True), (8, 2, 64, 8, 1, True)):
+        groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
+        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs} prefetch={pf}",
+                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs, pf=pf: ip.grouped_scores(
+                    q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt, block_n=bn,
+                    num_warps=warps, programs=progs, prefetch=pf),
+                check, "indexer_prefill_scan")
+    scores = ip.grouped_scores(q, g, views, fmt, table, visible, ip.token_groups((chunk,), 0, chunk, ip.TOKENS, DEV), n,
+                               epb, tokens=ip.TOKENS)
+    top = topk_mod.topk_smaller_index(scores, cfg.index_topk)
+    for kw in ({}, dict(num_warps=8, block=4096)):
+        attempt("pindexer", case, "top-k " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
+                lambda kw=kw: topk_mod.topk_smaller_index(scores, cfg.index_topk, **kw),
+                lambda out: None if torch.equal(out, top) else "differs")
+    args = (q, g, views, fmt, batch.block_table, batch.token_request, batch.positions, batch.query_lens_host,
+            (n,), sch.compress_ratio, cfg.index_topk, epb)
+    ref_sel = ip.prefill_indexer_topk(*args, tokens=0)
+    for tokens in (0, ip.TOKENS):      # host work per slice (the groups' table): timed without a graph
+        run = lambda tokens=tokens: ip.prefill_indexer_topk(*args, tokens=tokens)  # noqa: E731
+        out = run()
+        us = 1e3 * triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+        record("pindexer", case, f"selection tokens={tokens or 'per-row'} (no graph)", us,
+               **({} if torch.equal(out, ref_sel) else {"WRONG": f"overlap {overlap(out, ref_sel):.4f}"}))
 
 
-if __name__ == "__main__":
-    main()
+def prefill_one(name: str, chunk: int, run: Callable[[], Any], nbytes: int) -> None:
+    us = graph_us(run)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(1e3 * a.elapsed_time(b))
+    host = sorted(samples)[len(samples) // 2]
+    record("prefill", f"chunk {chunk}", name, us, host_incl_us=round(host, 1),
+           pct_bw_device=round(100 * nbytes / (us * 1e-6) / 4.248e12, 1))
