@@ -11,7 +11,7 @@ from conftest import tiny_config
 
 from dsv4 import KVCacheManager
 from dsv4.cache.formats import indexer_format, main_format
-from dsv4.errors import InputError
+from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import cache_ops as ref_cache
 from dsv4.kernels.reference import compress as ref_compress
 from dsv4.kernels.reference import indexer as ref_indexer
@@ -291,7 +291,7 @@ def test_grouped_scan_refuses_other_formats():
     mgr = KVCacheManager(tiny_config(), max_requests=1, num_blocks=4, device="cpu", kv_format="bf16",
                          indexer_format="fp8", tokens_per_block=32)
     sch, pool = mgr.schemas[1], mgr.paged[1]
-    with pytest.raises(ValueError, match="E2M1"):
+    with pytest.raises(FormatError, match="E2M1"):
         tri_indexer.grouped_scores(torch.randn(2, 16, 64), torch.randn(2, 16), pool.indexer, sch.indexer_format,
                                    torch.zeros(1, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
                                    torch.tensor([[0, 2, 0]], dtype=torch.int32), 4, 8, tokens=2)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from dsv4.errors import FormatError
 from dsv4.kernels.triton import indexer_scan
 from dsv4.kernels.triton.decode_common import note_compile, precision_id
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
@@ -62,7 +63,7 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     glob = typed.get("global", scale)
     prec = precision_id(precision, DEFAULT_PRECISION[fmt.name])
     if not indexer_scan.scan_supported(fmt.name, q.shape[-1], data, scale, prec):
-        raise ValueError(f"grouped_scores reads E2M1 keys at bf16 / bf16x2; got {fmt.name} at {precision}")
+        raise FormatError(f"grouped_scores reads E2M1 keys at bf16 / bf16x2; got {fmt.name} at {precision}")
     cuda = q.device.type == "cuda"
     out = torch.empty(q.shape[0], max_entries, dtype=torch.float32, device=q.device) if out is None else out
     if q.shape[0] == 0 or max_entries == 0 or groups.shape[0] == 0:

@@ -133,6 +133,18 @@ def _decode_words(words, sc, BLOCK_N: tl.constexpr, D: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
+def _query_parts(qt, NATIVE: tl.constexpr):
+    """fp32 queries -> (hi, lo) bf16 parts of the dot's shared-memory operand (lo for bf16x2)."""
+    if NATIVE:
+        qt_hi = qt.to(tl.bfloat16)
+        qt_lo = (qt - qt_hi.to(tl.float32)).to(tl.bfloat16)
+    else:       # the interpreter's bf16 dot is wrong: the same rounded operands through fp32 dots
+        qt_hi = qt.to(tl.bfloat16).to(tl.float32)
+        qt_lo = (qt - qt_hi).to(tl.bfloat16).to(tl.float32)
+    return qt_hi, qt_lo
+
+
+@triton.jit
 def _indexer_scan_kernel(
         q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
         s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
@@ -154,12 +166,7 @@ def _indexer_scan_kernel(
         qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
     else:           # q [H, D]: operand A (registers)
         qt = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    if NATIVE:
-        qt_hi = qt.to(tl.bfloat16)
-        qt_lo = (qt - qt_hi.to(tl.float32)).to(tl.bfloat16)
-    else:       # the interpreter's bf16 dot is wrong: the same rounded operands through fp32 dots
-        qt_hi = qt.to(tl.bfloat16).to(tl.float32)
-        qt_lo = (qt - qt_hi).to(tl.bfloat16).to(tl.float32)
+    qt_hi, qt_lo = _query_parts(qt, NATIVE)
     n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
     nt = tl.cdiv(n_b, BLOCK_N)
     bt_row = bt_ptr + b * s_bt
@@ -262,12 +269,7 @@ def _group_part(q_ptr, w_ptr, vis_ptr, r0, cnt, s_qb, s_qh, s_wb, max_entries, w
     wts = tl.load(w_ptr + (r0 + tok) * s_wb + h, mask=jmask, other=0.0).to(tl.float32) * w_scale
     d = tl.arange(0, D)
     qt = tl.load(q_ptr + (r0 + tok)[None, :] * s_qb + h[None, :] * s_qh + d[:, None], mask=jmask[None, :], other=0.0)
-    if NATIVE:
-        qt_hi = qt.to(tl.bfloat16)
-        qt_lo = (qt - qt_hi.to(tl.float32)).to(tl.bfloat16)
-    else:       # the interpreter's bf16 dot is wrong: the same rounded operands through fp32 dots
-        qt_hi = qt.to(tl.bfloat16).to(tl.float32)
-        qt_lo = (qt - qt_hi).to(tl.bfloat16).to(tl.float32)
+    qt_hi, qt_lo = _query_parts(qt, NATIVE)
     t = FIRST + tl.arange(0, DT)
     n_t = tl.minimum(tl.load(vis_ptr + r0 + t, mask=t < cnt, other=0), max_entries)
     return qt_hi, qt_lo, wts, n_t
