@@ -67,6 +67,9 @@ def main() -> int:
     w_a = (torch.randn(8 * 1024, 4096, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     w_b = (torch.randn(4096, 8192, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     o = torch.randn(1, 64, 512, device=DEV, generator=gen).to(torch.bfloat16)
+    # grouped_output reads a module's .weight and runs the projections through ops.linear
+    mod_a, mod_b = types.SimpleNamespace(weight=w_a), types.SimpleNamespace(weight=w_b)
+    ops = types.SimpleNamespace(linear=gemv.linear)
     side = torch.cuda.Stream()
     cycles_per_us = 1800            # the spin counts SM clock cycles (~1.8-2.0 GHz under load)
 
@@ -77,7 +80,7 @@ def main() -> int:
             with torch.cuda.stream(side):
                 prefetch_l2(w_a, size_mb << 20)
             torch.cuda._sleep(gap * cycles_per_us)
-            grouped_output(o, w_a, w_b, 8, gemv.linear)
+            grouped_output(o, mod_a, mod_b, 8, ops)
             main.wait_stream(side)
         return fn
 

@@ -98,7 +98,7 @@ def run_dsv4(
                 xs = []
                 for rid, n in step.items():
                     xs.append(requests[rid][done[rid]:done[rid] + n])
-                x = torch.cat(xs).to(blk.q_a_proj.weight.dtype)
+                x = torch.cat(xs).to(blk.q_a_norm.weight.dtype)   # the layer dtype (FP8 projections keep their own)
                 batch = mgr.prepare_forward(dict(step))
                 out = blk(x, batch, mgr.acquire(layer, batch))
                 assert out.shape == x.shape

@@ -22,11 +22,15 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False):
-    """Serve `schedule` (list of {request: n_tokens}); return per-request outputs (cat over steps)."""
+def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weights=False, dtype=torch.float32):
+    """Serve `schedule` (list of {request: n_tokens}); return per-request outputs (cat over steps).
+    fp8_weights: the projections DeepSeek ships in FP8 held as FP8 blocks (`quantize_weights`)."""
     dev = torch.device("cuda")
     blk = AttentionSubBlock(cfg, layer).to(dev)
     blk.load_hf_state_dict({k: v.to(dev) for k, v in weights.items()})
+    if fp8_weights:
+        blk.quantize_weights()
+    blk.to(dtype)
     mgr = KVCacheManager(cfg, max_requests=4, num_blocks=96, device=dev, kv_format=fmts[0], indexer_format=fmts[1],
                          tokens_per_block=256 if cfg.hca_compression_ratio == 128 else 32, backend=backend)
     for r in xs:
@@ -36,7 +40,7 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False):
     graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
     for step in schedule:
         batch = mgr.prepare_forward(step)
-        x = torch.cat([xs[r][done[r]:done[r] + n] for r, n in step.items()]).to(dev)
+        x = torch.cat([xs[r][done[r]:done[r] + n] for r, n in step.items()]).to(dev, dtype)
         handle = mgr.acquire(layer, batch)
         with torch.no_grad():
             if graph and batch.is_decode:
@@ -55,7 +59,7 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False):
                 out = blk(x, batch, handle)
         t0 = 0
         for r, n in step.items():
-            outs[r].append(out[t0:t0 + n].cpu())
+            outs[r].append(out[t0:t0 + n].float().cpu())
             t0 += n
             done[r] += n
     return {r: torch.cat(v) for r, v in outs.items()}

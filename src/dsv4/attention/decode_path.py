@@ -94,7 +94,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         kv = blk.window_kv(proj, cos, sin, ops)
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
-    q_up = blk.query_up(blk.q_residual(proj, ops), ops.linear)
+    q_up = blk.query_up(blk.q_residual(proj, ops), ops)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
     q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dsv4.kernels.dispatch import ops_for
+from dsv4.model.fp8_weights import BLOCK, BlockFP8Linear
 
 
 class RMSNorm(nn.Module):
@@ -29,55 +31,107 @@ def rms_unweighted(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def grouped_output(o: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor, groups: int,
-                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
+def project(mod: nn.Linear | BlockFP8Linear, x: torch.Tensor, ops: types.SimpleNamespace, groups: int = 1
+            ) -> torch.Tensor:
+    """mod(x) through an op namespace's kernels: `linear` for a dense weight, `linear_fp8` for FP8
+    blocks (groups: see `linear_fp8`; dense weights take groups = 1 only)."""
+    if isinstance(mod, BlockFP8Linear):
+        return ops.linear_fp8(x, mod.weight, mod.weight_scale_inv, groups)
+    assert groups == 1, "grouped dense projections run as a batched GEMM (grouped_output)"
+    return ops.linear(x, mod.weight)
+
+
+def grouped_output(o: torch.Tensor, o_a: nn.Linear | BlockFP8Linear, o_b: nn.Linear | BlockFP8Linear, groups: int,
+                   ops: types.SimpleNamespace) -> torch.Tensor:
     """out = W_ob · concat_g(W_oa[g] · concat(o_h for h in group g)); heads grouped contiguously.
 
     Args:
-        o: [T, H, D] attention outputs; w_a: [G*R_o, H*D/G] (rows g*R_o:(g+1)*R_o belong to group g);
-        w_b: [d, G*R_o]; linear: the W_ob projection (an ops namespace's `linear`).
+        o: [T, H, D] attention outputs; o_a: weight [G*R_o, H*D/G] (rows g*R_o:(g+1)*R_o belong to
+        group g); o_b: weight [d, G*R_o]; ops: the op namespace whose kernels run the projections.
     Returns:
         [T, d]
     """
     t = o.shape[0]
+    if isinstance(o_a, BlockFP8Linear):             # one launch for every group
+        return project(o_b, project(o_a, o.reshape(t, -1), ops, groups), ops)
     x = o.reshape(t, groups, -1).transpose(0, 1)                 # [G, T, H*D/G]
-    wa = w_a.view(groups, -1, w_a.shape[-1])                     # [G, R_o, H*D/G]
+    wa = o_a.weight.view(groups, -1, o_a.weight.shape[-1])       # [G, R_o, H*D/G]
     # each group's [T, R_o] product lands in its columns of y [T, G, R_o] (a strided batched GEMM
     # output): no copy between the two GEMMs
     y = torch.empty(t, groups, wa.shape[1], dtype=o.dtype, device=o.device)
     torch.bmm(x, wa.transpose(1, 2), out=y.transpose(0, 1))
-    return linear(y.view(t, -1), w_b)
+    return project(o_b, y.view(t, -1), ops)
 
 
 class FusedProjection:
-    """Several projections of one input as one GEMM: x @ [W_1; ...; W_n]^T, split into column views.
+    """Several projections of one input as one GEMM per weight format: x @ [W_1; ...; W_n]^T, split
+    into column views (dense weights in one GEMM, FP8 block weights in one `linear_fp8`).
 
     A decode step of a few tokens reads each weight once; separate GEMMs would cost a launch each
     (a CSA layer has seven projections of x). On first use, and again whenever a module's weight
-    was replaced (`.to()`, `.cuda()`), the weights are concatenated once and each nn.Linear's
-    weight is re-pointed into the fused buffer (`.data`): memory is not held twice, and
-    `load_state_dict` (an in-place copy) keeps writing into the buffer.
+    was replaced (`.to()`, `.cuda()`), the weights are concatenated once and each module's
+    tensors are re-pointed into the fused buffers (`.data`): memory is not held twice, and
+    `load_state_dict` (an in-place copy) keeps writing into the buffers. An FP8 part starts at a
+    multiple of 128 rows (zero rows pad the one before it) so that its scale rows stay its own.
     """
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear | BlockFP8Linear]):
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
-        self._fused: torch.Tensor | None = None
-        self._ptrs: list[int] = []
+        self._dense: torch.Tensor | None = None
+        self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cols: list[tuple[bool, int]] = []        # per part: (fp8?, first output column)
+        self._ptrs: list[int] | None = None
 
-    def weight(self) -> torch.Tensor:
-        ptrs = [lin.weight.data_ptr() for lin in self.linears]
-        if self._fused is None or ptrs != self._ptrs:
-            if self.linears[0].weight.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("FusedProjection: run the layer once eagerly before capturing it in a CUDA graph "
-                                   "(the fused weight is built on first use)")
-            fused = torch.cat([lin.weight.detach() for lin in self.linears])
-            for lin, part in zip(self.linears, fused.split(self.sizes)):
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for lin in self.linears
+                for t in ((lin.weight, lin.weight_scale_inv) if isinstance(lin, BlockFP8Linear) else (lin.weight,))]
+
+    def _build(self) -> None:
+        if self.linears[0].weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("FusedProjection: run the layer once eagerly before capturing it in a CUDA graph "
+                               "(the fused weight is built on first use)")
+        dense = [lin for lin in self.linears if not isinstance(lin, BlockFP8Linear)]
+        fp8 = [lin for lin in self.linears if isinstance(lin, BlockFP8Linear)]
+        self._dense = self._fp8 = None
+        if dense:
+            fused = torch.cat([lin.weight.detach() for lin in dense])
+            for lin, part in zip(dense, fused.split([lin.out_features for lin in dense])):
                 lin.weight.data = part
-            self._fused, self._ptrs = fused, [lin.weight.data_ptr() for lin in self.linears]
-        return self._fused
+            self._dense = fused
+        starts = {}
+        if fp8:
+            rows = [-(-lin.out_features // BLOCK) * BLOCK for lin in fp8]
+            first = fp8[0].weight
+            codes = torch.zeros(sum(rows), first.shape[1], dtype=first.dtype, device=first.device)
+            scale = torch.cat([lin.weight_scale_inv.detach() for lin in fp8])
+            at = 0
+            for lin, r in zip(fp8, rows):
+                codes[at:at + lin.out_features] = lin.weight.detach()
+                lin.weight.data = codes[at:at + lin.out_features]
+                lin.weight_scale_inv.data = scale[at // BLOCK:(at + r) // BLOCK]
+                starts[id(lin)] = at
+                at += r
+            self._fp8 = codes, scale
+        at, self._cols = 0, []
+        for lin in self.linears:
+            if id(lin) in starts:
+                self._cols.append((True, starts[id(lin)]))
+            else:
+                self._cols.append((False, at))
+                at += lin.out_features
+        self._ptrs = [t.data_ptr() for t in self._tensors()]
 
-    def __call__(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
-                 ) -> tuple[torch.Tensor, ...]:
-        """linear: the GEMM (an ops namespace's `linear`)."""
-        return linear(x, self.weight()).split(self.sizes, dim=-1)
+    def weight(self) -> torch.Tensor | None:
+        """The fused dense weight [sum N, K] (None when every part is FP8)."""
+        if self._ptrs != [t.data_ptr() for t in self._tensors()]:
+            self._build()
+        return self._dense
+
+    def __call__(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None) -> tuple[torch.Tensor, ...]:
+        """ops: the op namespace whose `linear` / `linear_fp8` run the GEMMs (default: the reference's)."""
+        ops = ops or ops_for(x.device, "reference")
+        dense = self.weight()
+        y_dense = ops.linear(x, dense) if dense is not None else None
+        y_fp8 = ops.linear_fp8(x, *self._fp8) if self._fp8 is not None else None
+        return tuple((y_fp8 if fp8 else y_dense)[:, c:c + n] for (fp8, c), n in zip(self._cols, self.sizes))

@@ -12,10 +12,9 @@ Parameter names are transformers' `DeepseekV4Attention.state_dict()` names.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.attention.compressor import Compressor, compress_and_flush
@@ -27,6 +26,7 @@ from dsv4.cache.handle import LayerCacheHandle
 from dsv4.errors import DeviceError, InputError
 from dsv4.kernels.dispatch import ops_for
 from dsv4.model.config import DSV4Config
+from dsv4.model.fp8_weights import FP8_MODULES, SCALE_FORMATS, BlockFP8Linear
 from dsv4.model.layer_schedule import AttentionType
 from dsv4.model.rope import RopeTable
 from dsv4.model.weights import deepseek_to_hf_names
@@ -61,6 +61,11 @@ class AttentionSubBlock(nn.Module):
             if csa:
                 self.compressor.indexer = Indexer(cfg)
         self.rope = RopeTable.for_layer(cfg, compressed=self.compressor is not None)
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """The fused projections of x and of q_res, over the current projection modules."""
+        csa = self.spec.attn is AttentionType.CSA
         names, linears = ["q_a", "kv"], [self.q_a_proj, self.kv_proj]
         if self.compressor is not None:
             names += ["c", "z"]
@@ -75,7 +80,15 @@ class AttentionSubBlock(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load weights named as transformers' DeepseekV4Attention.state_dict() (strict)."""
+        """Load weights named as transformers' DeepseekV4Attention.state_dict() (strict).
+
+        A projection given with a `<name>.weight_scale_inv` (an FP8 checkpoint: float8_e4m3fn codes,
+        fp32 or UE8M0 scales per 128 x 128 block) is held in that format (`BlockFP8Linear`); one given
+        without is held dense, in the weight's dtype as now."""
+        for name in self._projection_names():
+            fp8 = name + ".weight_scale_inv" in state_dict
+            if fp8 != isinstance(self.get_submodule(name), BlockFP8Linear):
+                self._swap(name, fp8)
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -85,38 +98,83 @@ class AttentionSubBlock(nn.Module):
         for k, v in state_dict.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise InputError(f"weight {k}: expected shape {list(own[k].shape)}, got {list(v.shape)}")
+            if own[k].dtype == torch.float8_e4m3fn and v.dtype != torch.float8_e4m3fn:
+                raise InputError(f"weight {k} has a weight_scale_inv, so it must be float8_e4m3fn codes, got {v.dtype}")
         self.load_state_dict(state_dict, strict=True)
+        self._fuse()
 
     def load_deepseek_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load weights named as DeepSeek's own checkpoint (wq_a, wkv, attn_sink, ...)."""
+        """Load weights named as DeepSeek's own checkpoint (wq_a, wkv, attn_sink, ...; FP8 scales `.scale`)."""
         self.load_hf_state_dict(deepseek_to_hf_names(state_dict))
 
+    def quantize_weights(self, scale_format: str = "ue8m0", modules: tuple[str, ...] | None = None) -> None:
+        """Hold `modules` (default: those of this layer that DeepSeek-V4 checkpoints ship in FP8,
+        `FP8_MODULES`) as FP8 blocks, quantised from their current weights (`quantize_blocks`)."""
+        known = self._projection_names()
+        modules = tuple(m for m in FP8_MODULES if m in known) if modules is None else modules
+        bad = [m for m in modules if m not in known]
+        if bad:
+            raise InputError(f"layer {self.layer_idx} ({self.spec.attn.value}) has no projection {bad[0]!r}; "
+                             f"choose from {known}")
+        if scale_format not in SCALE_FORMATS:
+            raise InputError(f"scale_format {scale_format!r} is not one of {SCALE_FORMATS}")
+        for name in modules:
+            mod = self.get_submodule(name)
+            if not isinstance(mod, BlockFP8Linear):
+                self.set_submodule(name, BlockFP8Linear.from_linear(mod, scale_format))
+        self._fuse()
+
+    def dense_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """state_dict() with every FP8 projection dequantised to `dtype` (default: the layer's dtype) and
+        no scales: what a dense layer (transformers' in bf16, the dense reference) loads."""
+        dtype = dtype or self.q_a_norm.weight.dtype
+        out = {}
+        for k, v in self.state_dict().items():
+            if k.endswith(".weight_scale_inv"):
+                continue
+            if v.dtype == torch.float8_e4m3fn:
+                v = self.get_submodule(k.removesuffix(".weight")).dequantize(dtype)
+            out[k] = v
+        return out
+
+    def _projection_names(self) -> tuple[str, ...]:
+        return tuple(n for n, m in self.named_modules() if isinstance(m, nn.Linear | BlockFP8Linear))
+
+    def _swap(self, name: str, fp8: bool) -> None:
+        old = self.get_submodule(name)
+        dev = old.weight.device
+        if fp8:
+            new = BlockFP8Linear(old.in_features, old.out_features, device=dev)
+        else:
+            new = nn.Linear(old.in_features, old.out_features, bias=False, device=dev,
+                            dtype=self.q_a_norm.weight.dtype).requires_grad_(old.weight.requires_grad)
+        self.set_submodule(name, new)
+
     # ------------------------------------------------------------------ forward
-    def project(self, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
-                ) -> dict[str, torch.Tensor]:
-        """Every projection of x in one GEMM (`linear`: an ops namespace's), as column views: q_a, kv;
-        compressed layers c, z (the compressor's kv_proj / gate_proj); CSA ic, iz (the indexer's), iw
-        (its weights_proj)."""
-        return dict(zip(self._input_names, self._inputs(x, linear)))
+    def project(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None) -> dict[str, torch.Tensor]:
+        """Every projection of x in one GEMM per weight format (`ops`: an op namespace; default the
+        reference's), as column views: q_a, kv; compressed layers c, z (the compressor's kv_proj /
+        gate_proj); CSA ic, iz (the indexer's), iw (its weights_proj)."""
+        return dict(zip(self._input_names, self._inputs(x, ops)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> torch.Tensor:
         """x [T, d] packed in batch order -> [T, d]."""
         self._check(x, batch, cache)
         cfg = self.cfg
         ops = self._ops(cache)
-        proj = self.project(x, ops.linear)
+        proj = self.project(x, ops)
         if self.decode_path and batch.is_decode:
             o = decode_attend(self, proj, cache, ops, x.dtype)        # inverse RoPE applied by the attention op
         else:
             cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
-            q_up = self.query_up(self.q_residual(proj, ops), ops.linear)
+            q_up = self.query_up(self.q_residual(proj, ops), ops)
             # Triton's dots take q as bf16 for bf16-exact formats (as the decode path)
             bf16_q = ops.name == "triton" and cache.schema.kv_format.name != "fp32"
             q = self.queries(q_up, cos, sin, ops, out_dtype=torch.bfloat16 if bf16_q else torch.float32)
             # the inverse RoPE and the output dtype are applied by the attention op
             o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops,
                                      x.dtype)
-        return grouped_output(o, self.o_a_proj.weight, self.o_b_proj.weight, cfg.o_groups, ops.linear)
+        return grouped_output(o, self.o_a_proj, self.o_b_proj, cfg.o_groups, ops)
 
     def q_residual(self, proj: dict[str, torch.Tensor], ops) -> torch.Tensor:
         """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels)."""
@@ -124,11 +182,10 @@ class AttentionSubBlock(nn.Module):
         none = q_a.new_empty(q_a.shape[0], 0, dtype=torch.float32)
         return ops.norm_rope(q_a, self.q_a_norm.weight, self.cfg.rms_norm_eps, none, none)
 
-    def query_up(self, q_res: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
-                 ) -> dict[str, torch.Tensor]:
-        """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM (`linear`: an ops
-        namespace's)."""
-        return dict(zip(self._q_up_names, self._q_up(q_res, linear)))
+    def query_up(self, q_res: torch.Tensor, ops: types.SimpleNamespace | None = None) -> dict[str, torch.Tensor]:
+        """q_res W_qb ("q") and, CSA, the indexer's q_res W_qI ("iq"), in one GEMM per weight format
+        (`ops`: an op namespace; default the reference's)."""
+        return dict(zip(self._q_up_names, self._q_up(q_res, ops)))
 
     def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -175,7 +232,7 @@ class AttentionSubBlock(nn.Module):
         return cache.ops if self.backend is None else ops_for(cache.state.device, self.backend)
 
     def _check(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> None:
-        w = self.q_a_proj.weight
+        w = self.q_a_norm.weight          # the layer's dtype (an FP8 projection keeps its own)
         if x.device != w.device or x.device != cache.state.device:
             raise DeviceError(f"x is on {x.device}, weights on {w.device}, cache on {cache.state.device}; "
                               "put them on one device")

@@ -28,6 +28,9 @@ _PREFIXES = (
 
 
 def deepseek_to_hf_name(name: str) -> str:
+    """DeepSeek's name -> transformers'; an FP8 weight's `.scale` becomes `.weight_scale_inv`."""
+    if name.endswith(".scale"):
+        name = name.removesuffix(".scale") + ".weight_scale_inv"
     for old, new in _PREFIXES:
         if name.startswith(old):
             return new + name[len(old):]

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import types
 
-from dsv4.kernels.triton import cache_ops, compress, decode, gather, gemv, indexer_prefill, norm_rope, prefill_attention
+from dsv4.kernels.triton import (
+    cache_ops,
+    compress,
+    decode,
+    fp8_linear,
+    gather,
+    gemv,
+    indexer_prefill,
+    norm_rope,
+    prefill_attention,
+)
 
 
 def namespace() -> types.SimpleNamespace:
@@ -20,4 +30,4 @@ def namespace() -> types.SimpleNamespace:
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
         prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
         rope_cos_sin=norm_rope.rope_cos_sin, prefill_attention=prefill_attention.prefill_attention,
-        linear=gemv.linear)
+        linear=gemv.linear, linear_fp8=fp8_linear.linear_fp8)

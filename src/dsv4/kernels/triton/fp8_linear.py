@@ -1,0 +1,137 @@
+"""Triton twin of `reference.linear.linear_fp8`: y = x W^T with W as FP8 e4m3 codes and one scale per
+128 x 128 block (`dsv4.model.fp8_weights`), weights exact, activations as given, fp32 sums.
+
+    one row of x (a batch-1 decode step)   `_gemv_kernel`: a stream over the codes, as `gemv`: each
+                                           program BLOCK_N whole rows, K in BLOCK_K steps, the x
+                                           slice pre-multiplied by the block's scale (a program's
+                                           rows share one scale row), one reduction at the end
+    more rows (decode batches, prefill)    `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
+                                           scale block (128): the codes converted to x's dtype
+                                           (exact: e4m3 fits bf16), one dot, times the block's scale;
+                                           tiles grow with the rows (`_gemm_tiles`)
+
+Weights are exact in every regime: W = codes x scale is never rounded to x's dtype (a V3-style fp32
+scale would not survive it).
+
+`groups` G: output group g (N/G columns) reads x's g-th K columns, the grouped o_a projection as
+one launch. A program never straddles a group or a scale row: BLOCK_N divides 128 and N/G.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.errors import InputError
+from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
+from dsv4.model.fp8_weights import BLOCK, scale_shape
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    nm = rn < N
+    xg = x_ptr + (n0 // n_group) * K
+    srow = s_ptr + (n0 // 128) * s_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        km = kk < K
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)
+        xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * tl.load(srow + kk // 128, mask=km, other=0.0)
+        acc += w * xs[None, :]
+    tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_group, s_xm, s_ym, s_wn, s_sn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    mm, nm = rm < M, rn < N
+    xg = x_ptr + (n0 // n_group) * K
+    srow = s_ptr + (n0 // 128) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, 128):
+        kk = k0 + rk
+        km = kk < K
+        x = tl.load(xg + rm[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0)
+        if NATIVE:      # bf16 / fp16 x: e4m3 codes are exact in x's dtype
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:           # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        acc += part * tl.load(srow + k0 // 128)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mm[:, None] & nm[None, :])
+
+
+def _block_n(n_group: int, groups: int, most: int) -> int:
+    """Rows per program: a power of two <= most that divides 128 and, with groups, the group's rows."""
+    return min(most, BLOCK) if groups == 1 else min(most, n_group & -n_group, BLOCK)
+
+
+def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int) -> None:
+    n, k = codes.shape
+    if codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+        raise InputError(f"FP8 weights must be float8_e4m3fn codes with fp32 scales, got {codes.dtype} / {scale.dtype}")
+    if tuple(scale.shape) != scale_shape(n, k):
+        raise InputError(f"scales of a [{n}, {k}] FP8 weight must be {list(scale_shape(n, k))}, got {list(scale.shape)}")
+    if x.dim() != 2 or x.shape[1] != groups * k or n % groups:
+        raise InputError(f"x must be [T, {groups} x {k}] for a [{n}, {k}] weight in {groups} group(s), "
+                         f"got {list(x.shape)}")
+    if groups > 1 and (n // groups) % 16:
+        raise InputError(f"each of the {groups} output groups needs a multiple of 16 rows, got {n // groups}")
+
+
+def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the three
+    regimes by the number of rows."""
+    _check(x, codes, scale, groups)
+    t = x.shape[0]
+    n, k = codes.shape
+    n_group = n // groups
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1:
+        x, codes, scale = x.contiguous(), codes.contiguous(), scale.contiguous()
+    launch = pdl_launch(x.device)
+    if t == 1:
+        bn, bk, warps, stages = _gemv_tiles(k)
+        bn = _block_n(n_group, groups, bn)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
+                                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
+        return y
+    bm, bn, warps = _gemm_tiles(t)
+    bn = _block_n(n_group, groups, bn)
+    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm))](
+        x, codes, scale, y, t, n, k, n_group, x.stride(0), y.stride(0), codes.stride(0), scale.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=3, **launch)
+    return y
+
+
+def _gemm_tiles(t: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) for t rows: few-row tiles for decode batches (the weight read once,
+    many programs), 128 x 128 for prefill chunks (each code tile converted once per 128 rows)."""
+    if t <= 64:
+        return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4
+    return (64, 64, 4) if t <= 256 else (128, 128, 8)
+
+
+def _gemv_tiles(k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages): `gemv._tiles` with twice the K per step (a byte a weight,
+    so the same bytes per load)."""
+    if k <= 1024:
+        return 16, 512, 4, 4
+    return 4, 2048, 4, 3

@@ -1,0 +1,242 @@
+"""FP8 block weights (the checkpoint's format): quantise / dequantise, `linear_fp8` (Triton twin vs the
+reference, on CPU under the interpreter and on a GPU at V4-Flash shapes), and the attention layer
+holding them: same outputs as a dense layer with the dequantised weights, loading FP8 state dicts
+by transformers' and DeepSeek's names, CUDA-graph replay."""
+
+from __future__ import annotations
+
+import hf_oracle as hfo
+import pytest
+import torch
+from attn_helpers import make_block, rel_l2, run_dsv4
+from conftest import real_dims_config, tiny_config
+
+from dsv4.attention import AttentionSubBlock
+from dsv4.errors import InputError
+from dsv4.kernels.reference.linear import linear_fp8 as ref_linear_fp8
+from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
+from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
+
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)")
+
+
+def _weight(n: int, k: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w fp32, codes, fp32 scales): rows of different magnitudes so that blocks get different scales."""
+    w = torch.randn(n, k, device=device) * torch.logspace(-3, 1, n, device=device)[:, None]
+    codes, scale = quantize_blocks(w, "fp32")
+    return w, codes, scale
+
+
+# ------------------------------------------------------------------------------------------ the format
+@pytest.mark.parametrize("scale_format", ["ue8m0", "fp32"])
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 300), (1, 129), (130, 7)])
+def test_quantize_error_within_e4m3_rounding(n, k, scale_format):
+    w = torch.randn(n, k) * torch.logspace(-4, 2, n)[:, None]
+    codes, scale = quantize_blocks(w, scale_format)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (n, k)
+    assert scale.shape == (-(-n // 128), -(-k // 128)) and scale.dtype == torch.float32
+    if scale_format == "ue8m0":
+        assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))          # powers of two
+    assert codes.float().abs().max() <= 448
+    back = dequantize_blocks(codes, scale)
+    s = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    # e4m3: 3 mantissa bits (half an ulp = 2^-4 relative); subnormals below 2^-6: steps of 2^-9
+    bound = torch.maximum(w.abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
+    assert ((back - w).abs() <= bound).all()
+    assert rel_l2(back, w) < 0.05
+
+
+def test_quantize_dequantize_round_trip_is_exact():
+    """Codes with a ±448 in every block and UE8M0 scales: dequantise, re-quantise -> the same bytes."""
+    n, k = 300, 260
+    codes = (torch.randn(n, k) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    codes[::128, ::128] = 448.0
+    scale = torch.exp2(torch.randint(-12, 4, (3, 3)).float())
+    c2, s2 = quantize_blocks(dequantize_blocks(codes, scale), "ue8m0")
+    assert torch.equal(s2, scale)
+    assert torch.equal(c2.view(torch.uint8), codes.view(torch.uint8))
+
+
+def test_module_keeps_its_format_across_to():
+    lin = torch.nn.Linear(200, 160, bias=False)
+    mod = BlockFP8Linear.from_linear(lin)
+    codes = mod.weight.detach().clone()
+    mod.to(torch.bfloat16)
+    assert mod.weight.dtype == torch.float8_e4m3fn and mod.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(mod.weight.view(torch.uint8), codes.view(torch.uint8))
+    x = torch.randn(3, 200)
+    torch.testing.assert_close(mod(x), x @ mod.dequantize().T, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ linear_fp8
+def _assert_close_to_product(y, want, x, codes, scale, groups):
+    """y (x's dtype) vs the fp32 reference `want`: summation order moves a sum by a few fp32 ulps of
+    the sum of its terms' magnitudes (|x| |W|^T); a bf16 y adds its own rounding, one ulp (2^-7
+    relative: the CPU interpreter's fp32 -> bf16 cast truncates, the GPU's rounds, half of that)."""
+    mag = ref_linear_fp8(x.float().abs(), codes.float().abs().to(codes.dtype), scale, groups)
+    bound = 1e-5 * mag + (2.0**-7 * want.abs() if y.dtype == torch.bfloat16 else 0)
+    excess = (y.float() - want).abs() - bound
+    assert excess.max() <= 0, (excess.max(), bound.max())
+
+
+def test_reference_equals_float64_product():
+    w, codes, scale = _weight(192, 256)
+    x = torch.randn(7, 2 * 256)
+    y = ref_linear_fp8(x, codes, scale, groups=2)
+    wd = dequantize_blocks(codes, scale).double().view(2, 96, 256)
+    want = torch.cat([x[:, :256].double() @ wd[0].T, x[:, 256:].double() @ wd[1].T], dim=1)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+# rows: 1 (the GEMV), 2-256 (the GEMM kernel, tiles of 16 / 32 / 64 rows), > 256 (dequantise + torch);
+# N and K off the 128 block, a group of 16 rows, several groups
+_CASES = [(1, 200, 300, 1), (1, 64, 96, 4), (1, 1, 129, 1), (3, 200, 300, 1), (17, 48, 130, 3), (40, 256, 256, 2),
+          (70, 130, 70, 1), (300, 96, 160, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n,k,groups", _CASES)
+def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
+    _, codes, scale = _weight(n, k)
+    x = torch.randn(t, groups * k).to(dtype)
+    y = tri_linear_fp8(x, codes, scale, groups)
+    want = ref_linear_fp8(x.float(), codes, scale, groups)          # fp32, not yet rounded to dtype
+    assert y.dtype == dtype and y.shape == (t, n)
+    _assert_close_to_product(y, want, x, codes, scale, groups)
+
+
+def test_linear_fp8_rejects_bad_arguments():
+    _, codes, scale = _weight(64, 128)
+    x = torch.randn(2, 128)
+    for fn in (tri_linear_fp8,):
+        with pytest.raises(InputError, match="scales"):
+            fn(x, codes, scale[:, :0])
+        with pytest.raises(InputError, match="float8_e4m3fn"):
+            fn(x, codes.float(), scale)
+        with pytest.raises(InputError, match="x must be"):
+            fn(torch.randn(2, 100), codes, scale)
+        with pytest.raises(InputError, match="multiple of 16"):
+            fn(torch.randn(2, 8 * 128), codes, scale, groups=8)
+    assert tri_linear_fp8(x[:0], codes, scale).shape == (0, 64)
+
+
+# ------------------------------------------------------------------------------------------ the layer
+def _fp8_and_dense(cfg, layer: int, seed: int = 3, scale_format: str = "ue8m0"):
+    """(FP8 block, dense fp32 block with the dequantised weights)."""
+    w = hfo.random_attention_weights(cfg, layer, seed=seed)
+    fp8 = make_block(cfg, layer, w)
+    fp8.quantize_weights(scale_format)
+    dense = make_block(cfg, layer, fp8.dense_state_dict(torch.float32))
+    return fp8, dense
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_layer_with_fp8_weights_equals_dense_dequantised(layer):
+    """Prefill chunks (the general path) and decode steps (the decode path) of two requests, reference
+    and Triton kernels: an FP8 layer gives what a dense layer holding W = codes x scales gives."""
+    cfg = tiny_config()
+    fp8, dense = _fp8_and_dense(cfg, layer)
+    mods = [n for n, m in fp8.named_modules() if isinstance(m, BlockFP8Linear)]
+    want = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"} | ({"compressor.indexer.q_b_proj"} if layer == 1
+                                                                          else set())
+    assert set(mods) == want
+    g = torch.Generator().manual_seed(5)
+    xs = {"a": torch.randn(24, cfg.hidden_size, generator=g), "b": torch.randn(9, cfg.hidden_size, generator=g)}
+    sched = [{"a": 17, "b": 3}, {"b": 4}, {"a": 1, "b": 1}, {"a": 5}, {"a": 1, "b": 1}]
+    got_ref = run_dsv4(cfg, layer, None, xs, sched, blk=fp8)
+    want_out = run_dsv4(cfg, layer, None, xs, sched, blk=dense)
+    for r in xs:
+        assert rel_l2(got_ref[r], want_out[r]) < 1e-5, (r, rel_l2(got_ref[r], want_out[r]))
+    fp8.backend = "triton"
+    got_tri = run_dsv4(cfg, layer, None, xs, sched, blk=fp8)
+    for r in xs:
+        assert rel_l2(got_tri[r], want_out[r]) < 1e-4, (r, rel_l2(got_tri[r], want_out[r]))
+
+
+def test_fp8_projections_share_the_fused_buffers():
+    """FP8 parts of a fused projection live in one code buffer (padded to 128-row starts), the dense
+    parts in another; the column views are each module's own output."""
+    cfg = tiny_config()
+    fp8, _ = _fp8_and_dense(cfg, 1)
+    x = torch.randn(6, cfg.hidden_size)
+    proj = fp8.project(x)
+    codes, scale = fp8._inputs._fp8
+    assert codes.shape[0] == 2 * 128 and scale.shape[0] == 2     # q_a (32 rows) padded, kv (128 rows)
+    for name, mod in (("q_a", fp8.q_a_proj), ("kv", fp8.kv_proj), ("c", fp8.compressor.kv_proj),
+                      ("iw", fp8.compressor.indexer.scorer.weights_proj)):
+        torch.testing.assert_close(proj[name], mod(x), rtol=1e-5, atol=1e-6)
+    lo, hi = codes.data_ptr(), codes.data_ptr() + codes.numel()
+    assert lo <= fp8.kv_proj.weight.data_ptr() < hi
+    assert fp8._inputs.weight() is not None and fp8._q_up.weight() is None      # q_b, indexer q_b: all FP8
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_load_fp8_state_dicts(scale_dtype):
+    """An FP8 checkpoint's state dict (transformers' names, V3 fp32 or V4 UE8M0 scales; DeepSeek's
+    names with `.scale`) loads into a dense block as FP8 blocks; a dense one turns them dense again."""
+    cfg = tiny_config()
+    fp8, dense = _fp8_and_dense(cfg, 1)
+    sd = {k: (v.to(scale_dtype) if k.endswith("weight_scale_inv") else v) for k, v in fp8.state_dict().items()}
+    blk = AttentionSubBlock(cfg, 1)
+    blk.load_hf_state_dict(sd)
+    assert isinstance(blk.o_b_proj, BlockFP8Linear) and isinstance(blk.compressor.kv_proj, torch.nn.Linear)
+    x = torch.randn(4, cfg.hidden_size)
+    torch.testing.assert_close(blk.project(x)["q_a"], fp8.project(x)["q_a"], rtol=0, atol=0)
+    ds = {k.replace("q_a_proj.", "wq_a.").replace(".weight_scale_inv", ".scale"): v for k, v in sd.items()}
+    blk2 = AttentionSubBlock(cfg, 1)
+    blk2.load_deepseek_state_dict(ds)
+    assert isinstance(blk2.q_a_proj, BlockFP8Linear)
+    assert torch.equal(blk2.q_a_proj.weight_scale_inv, fp8.q_a_proj.weight_scale_inv)
+    blk2.load_hf_state_dict(dense.state_dict())
+    assert isinstance(blk2.q_a_proj, torch.nn.Linear)
+    torch.testing.assert_close(blk2.project(x)["q_a"], fp8.project(x)["q_a"], rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_load_errors():
+    cfg = tiny_config()
+    fp8, _ = _fp8_and_dense(cfg, 2)
+    sd = fp8.state_dict()
+    bad = dict(sd, **{"kv_proj.weight": sd["kv_proj.weight"].float()})
+    with pytest.raises(InputError, match="float8_e4m3fn"):
+        AttentionSubBlock(cfg, 2).load_hf_state_dict(bad)
+    bad = dict(sd, **{"kv_proj.weight_scale_inv": sd["kv_proj.weight_scale_inv"][:, :0]})
+    with pytest.raises(InputError, match="kv_proj.weight_scale_inv"):
+        AttentionSubBlock(cfg, 2).load_hf_state_dict(bad)
+    with pytest.raises(InputError, match="no projection"):
+        fp8.quantize_weights(modules=("compressor.indexer.q_b_proj",))
+    with pytest.raises(InputError, match="scale_format"):
+        fp8.quantize_weights("e4m3")
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 16, 64, 300])
+@pytest.mark.parametrize("n,k,groups", [(4160, 4096, 1), (40960, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)])
+def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
+    """V4-Flash's FP8 projections (fused input, q up, grouped o_a, o_b) with bf16 activations."""
+    dev = torch.device("cuda")
+    _, codes, scale = _weight(n, k, dev)
+    x = torch.randn(t, groups * k, device=dev).to(torch.bfloat16)
+    y = tri_linear_fp8(x, codes, scale, groups)
+    _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
+
+
+@_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_gpu_fp8_layer_graph_replay_and_reference(layer):
+    """Real dims on the GPU, bf16 activations, FP8 weights, fp8_ds + mxfp4 cache: Triton decode steps
+    replayed from CUDA graphs equal eager ones, and stay within the formats' tolerance of the reference."""
+    from test_gpu_decode import _case, _rel_l2, _run
+
+    cfg = real_dims_config()
+    w, xs, sched = _case(cfg, layer, {"a": 250, "b": 126}, 6)
+    fmts = ("fp8_ds", "mxfp4")
+    kw = dict(fp8_weights=True, dtype=torch.bfloat16)
+    eager = _run(cfg, layer, w, xs, sched, "triton", fmts, **kw)
+    graph = _run(cfg, layer, w, xs, sched, "triton", fmts, graph=True, **kw)
+    ref = _run(cfg, layer, w, xs, sched, "reference", fmts, **kw)
+    for r in xs:
+        assert torch.equal(graph[r], eager[r]), (r, _rel_l2(graph[r], eager[r]))
+        assert _rel_l2(eager[r], ref[r]) <= 2e-2, (r, _rel_l2(eager[r], ref[r]))
