@@ -74,6 +74,8 @@ def build_parser(prog: str = "dsv4 bench") -> argparse.ArgumentParser:
     p.add_argument("--no-decode", action="store_true", help="skip the decode cases")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' DeepseekV4Attention")
     p.add_argument("--no-reference", action="store_true", help="skip our PyTorch reference backend")
+    p.add_argument("--no-fp8-weights", action="store_true",
+                   help="skip the decode layer rows whose projections hold the checkpoint's FP8 block weights")
     p.add_argument("--no-graph", action="store_true", help="time Triton decode work eagerly, not as CUDA graphs")
     p.add_argument("--quick", action="store_true", help="tiny shapes and short timings (a CPU smoke run)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -103,7 +105,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         graph=not args.no_graph, quick=args.quick, kv_format=args.kv_format, indexer_format=args.indexer_format,
         warmup_ms=args.warmup_ms or (5.0 if args.quick else 25.0),
         rep_ms=args.rep_ms or (20.0 if args.quick else 100.0),
-        host_warmup=1, host_reps=args.reps or (2 if args.quick else 3), seed=args.seed)
+        host_warmup=1, host_reps=args.reps or (2 if args.quick else 3), seed=args.seed,
+        fp8_weights=not args.no_fp8_weights)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "dsv4 bench") -> int:

@@ -18,6 +18,8 @@ from dsv4.model.config import DSV4Config
 
 #: Layer index of each benchmarked layer type in the 2-layer slice built by `bench_config`.
 LAYER_INDEX = {"csa": 0, "hca": 1}
+#: impl name of the decode layer rows whose projections hold the checkpoint's FP8 block weights
+FP8_IMPL = "triton-fp8w"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +42,7 @@ class BenchOptions:
     host_warmup: int = 1                    # CPU (or multi-step prefill) timing: runs discarded / kept
     host_reps: int = 3
     seed: int = 0
+    fp8_weights: bool = True                # also time the Triton decode layer with FP8 block weights
 
 
 @dataclass(kw_only=True, slots=True)

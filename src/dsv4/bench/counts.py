@@ -88,6 +88,7 @@ class Geometry:
     idx_entry_bytes: int       # 0 for HCA
     params: int                # every parameter of the layer's attention
     proj_params: int           # the matmul weights among them
+    fp8_params: int            # the weights among those that DeepSeek's checkpoints ship in FP8
 
     @classmethod
     def of(cls, cfg: DSV4Config, kind: str, kv_format: str = "fp8_ds", idx_format: str = "mxfp4") -> Geometry:
@@ -98,7 +99,7 @@ class Geometry:
                    topk=cfg.index_topk, idx_heads=cfg.index_n_heads, idx_dim=cfg.indexer_head_dim,
                    entry_bytes=main_format(kv_format, cfg.head_dim, cfg.rope_dim).entry_bytes,
                    idx_entry_bytes=indexer_format(idx_format, cfg.indexer_head_dim).entry_bytes if csa else 0,
-                   params=proj + other, proj_params=proj)
+                   params=proj + other, proj_params=proj, fp8_params=fp8_layer_params(cfg, kind))
 
     @property
     def csa(self) -> bool:
@@ -129,9 +130,27 @@ def layer_params(cfg: DSV4Config, kind: str) -> tuple[int, int]:
     return proj, other
 
 
+def fp8_layer_params(cfg: DSV4Config, kind: str) -> int:
+    """Weights of the projections `dsv4.model.fp8_weights.FP8_MODULES` names: q_a q_b kv o_a o_b (+ the
+    indexer's q_b)."""
+    d, h, dh, rq = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    n = d * rq + rq * h * dh + d * dh + h * dh * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d
+    return n + (rq * cfg.index_n_heads * cfg.indexer_head_dim if kind == "csa" else 0)
+
+
+def param_bytes(g: Geometry, fp8_weights: bool) -> int:
+    """Bytes of the layer's parameters: bf16, or the FP8 projections as 1-byte codes + an fp32 scale
+    per 128 x 128 block."""
+    if not fp8_weights:
+        return g.params * BF16
+    return (g.params - g.fp8_params) * BF16 + g.fp8_params + g.fp8_params // (128 * 128) * F32
+
+
 # ---------------------------------------------------------------------------------------- decode
-def decode_work(g: Geometry, batch: int, context: int, score_width: int) -> dict[str, Work]:
-    """Work of each decode op for `batch` requests at `context` (see the module docstring)."""
+def decode_work(g: Geometry, batch: int, context: int, score_width: int, fp8_weights: bool = False
+                ) -> dict[str, Work]:
+    """Work of each decode op for `batch` requests at `context` (see the module docstring); the
+    "layer" op's parameters as bf16 or as FP8 blocks (`param_bytes`)."""
     b, d, e = batch, g.head_dim, g.entry_bytes
     ops: dict[str, Work] = {}
     ops["append"] = Work(bytes={"kv_in": b * d * BF16, "ring_write": b * (e + 4), "head": b * 4})
@@ -159,7 +178,8 @@ def decode_work(g: Geometry, batch: int, context: int, score_width: int) -> dict
     ops["attention"] = Work(bytes=att, flops={"attention": 4 * g.heads * d * (w_eff + s) * b})
     ops["cache"] = Work().merged(*ops.values())
     ops["layer"] = ops["cache"].merged(Work(
-        bytes={"params": g.params * BF16, "x_read": b * g.hidden * BF16, "out_write": b * g.hidden * BF16},
+        bytes={"params": param_bytes(g, fp8_weights), "x_read": b * g.hidden * BF16,
+               "out_write": b * g.hidden * BF16},
         flops={"projections": 2 * b * g.proj_params}))
     return ops
 

@@ -10,6 +10,7 @@ both layers and every implementation; per layer:
     attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
     cache       the four above in sequence                    "cache-side decode work"
     layer       AttentionSubBlock.forward                     projections included
+    layer (triton-fp8w)  the same, its projections as the checkpoint's FP8 blocks (Triton only)
     layer (hf)  transformers DeepseekV4Attention.forward      bf16 eager, synthesised DynamicCache
 
 Inputs the ops take from the projections (kv, c/z, q, indexer q and weights) are made once,
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv4.bench.common import LAYER_INDEX, Row
+from dsv4.bench.common import FP8_IMPL, LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, decode_work
 from dsv4.bench.setup import DecodeState, acquire, build_decode_state, cache_bytes
 from dsv4.bench.timing import Timing, free_memory, guarded
@@ -89,6 +90,9 @@ def _decode_case(ctx: BenchContext, context: int, batch: int) -> list[Row]:
             for impl, ops in ctx.ops.items():
                 rows += _time_ops(ctx, state, kind, impl, ops, work)
                 rows.append(_time_layer(ctx, state, kind, impl, work["layer"]))
+            if kind in ctx.fp8_blocks:
+                fp8_work = decode_work(geo, batch, context, state.batch.seq_len_bound // geo.ratio, fp8_weights=True)
+                rows.append(_time_layer(ctx, state, kind, FP8_IMPL, fp8_work["layer"]))
             if o.hf:
                 rows.append(_time_hf(ctx, state, kind, work["layer"]))
     finally:
@@ -201,11 +205,15 @@ def _time_ops(ctx: BenchContext, state: DecodeState, kind: str, impl: str, ops: 
 
 # ------------------------------------------------------------------------------------------ layers
 def _time_layer(ctx: BenchContext, state: DecodeState, kind: str, impl: str, work: Work) -> Row:
-    blk = ctx.blocks[kind]
-    blk.backend = impl
-    handle = acquire(state.mgr, LAYER_INDEX[kind], state.batch, impl)
+    """impl "triton" / "reference": the bf16 block; FP8_IMPL: its FP8-weight twin with the Triton kernels."""
+    blk = ctx.fp8_blocks[kind] if impl == FP8_IMPL else ctx.blocks[kind]
+    backend = "triton" if impl == FP8_IMPL else impl
+    blk.backend = backend
+    handle = acquire(state.mgr, LAYER_INDEX[kind], state.batch, backend)
+    note = "projections: FP8 e4m3 codes, one scale per 128x128 block (the checkpoint's)" if impl == FP8_IMPL else None
     return _row(ctx, state, kind, "layer", impl, work,
-                guarded(lambda: ctx.timer.time(lambda: blk(state.x, state.batch, handle), graph=impl == "triton")))
+                guarded(lambda: ctx.timer.time(lambda: blk(state.x, state.batch, handle), graph=backend == "triton")),
+                note=note)
 
 
 def _time_hf(ctx: BenchContext, state: DecodeState, kind: str, work: Work) -> Row:

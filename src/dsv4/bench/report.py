@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from dsv4.bench.ceilings import Ceilings
-from dsv4.bench.common import Row
+from dsv4.bench.common import FP8_IMPL, Row
 from dsv4.errors import DSV4Error, InputError
 
 SCHEMA = "dsv4.bench/1"
@@ -58,7 +58,7 @@ def finalize(rows: list[Row], ceilings: Ceilings) -> None:
             r.pct_roofline = 100 * r.roofline_us / r.us
             r.bound = "bandwidth" if t_bw >= t_mma else "compute"
         ref = by_key.get((r.key(), "reference"))
-        if ref is not None:
+        if ref is not None and r.impl != FP8_IMPL:        # the reference rows hold bf16 weights
             r.x_vs_reference = ref.us / r.us
         hf = by_key.get((r.key(), "hf"))
         if hf is not None and r.op == "layer":
@@ -88,6 +88,11 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
             t["note"] = (f"no transformers number in this run; vs the issue's {ISSUE_HF_US[layer] / 1e3:.1f} ms "
                          f"(H200): {ISSUE_HF_US[layer] / r.us:.1f}x")
         out.append(t)
+    for layer in layers:
+        r = _find(rows, kind="decode", layer=layer, context=131072, batch=1, op="layer", impl=FP8_IMPL)
+        if r is not None:
+            out.append(_target("decode whole layer with the checkpoint's FP8 weights, B=1, C=128K: x faster than "
+                               "transformers", layer, ">= 30", r, r.x_vs_hf, 30.0))
     for layer in layers:
         r = next((x for x in rows if x.kind == "prefill" and x.layer == layer and x.op == "compress_flush"
                   and x.impl == "triton"), None)
@@ -207,11 +212,11 @@ def plot(result: Any, path: str) -> None:
     rows = [r for r in result.rows if r.status == "ok" and r.us]
     fig = Figure(figsize=(13, 9), layout="constrained")
     axes = fig.subplots(2, 2)
-    color = {"triton": "C0", "reference": "C1", "hf": "C3"}     # colour: implementation
+    color = {"triton": "C0", FP8_IMPL: "C2", "reference": "C1", "hf": "C3"}     # colour: implementation
     styles = ("-", "--", ":", "-.")                                # line style: batch size
     batch_style = {b: styles[i % len(styles)] for i, b in enumerate(result.opts.batches)}
     for ax, layer in zip(axes[0], ("csa", "hca")):
-        for impl in ("triton", "reference", "hf"):
+        for impl in ("triton", FP8_IMPL, "reference", "hf"):
             for b in result.opts.batches:
                 pts = sorted((r.context, r.us) for r in rows if r.kind == "decode" and r.op == "layer"
                              and r.layer == layer and r.impl == impl and r.batch == b)

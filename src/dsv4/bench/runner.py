@@ -39,6 +39,7 @@ class BenchContext:
     log: Callable[[str], None]
     ops: dict[str, types.SimpleNamespace] = field(default_factory=dict)
     blocks: dict[str, AttentionSubBlock] = field(default_factory=dict)
+    fp8_blocks: dict[str, AttentionSubBlock] = field(default_factory=dict)   # FP8-weight twins (Triton only)
     skipped: list[dict[str, str]] = field(default_factory=list)
     _hf: dict[str, Any] = field(default_factory=dict)
     _hf_failure: dict[str, str] = field(default_factory=dict)
@@ -109,6 +110,9 @@ def run(opts: BenchOptions, log: Callable[[str], None]) -> BenchResult:
             ctx.skip("transformers baseline", "--no-hf")
         for kind in opts.layers:
             ctx.blocks[kind] = make_block(cfg, LAYER_INDEX[kind], opts.device, opts.seed)
+            if opts.fp8_weights and "triton" in ctx.ops:
+                ctx.fp8_blocks[kind] = make_block(cfg, LAYER_INDEX[kind], opts.device, opts.seed)
+                ctx.fp8_blocks[kind].quantize_weights()
         rows = run_decode(ctx) if opts.decode else []
         if opts.prefill:
             rows += run_prefill(ctx)
@@ -136,5 +140,5 @@ def _meta(opts: BenchOptions, cfg: DSV4Config, tpb: int) -> dict[str, Any]:
         "kv_format": opts.kv_format, "indexer_format": opts.indexer_format, "dtype": "bfloat16",
         "quick": opts.quick, "contexts": list(opts.contexts), "batches": list(opts.batches),
         "prefill": opts.prefill, "prefill_chunk": opts.prefill_chunk, "backends": list(opts.backends),
-        "hf": opts.hf, "cuda_graphs": opts.graph, "warmup_ms": opts.warmup_ms, "rep_ms": opts.rep_ms,
+        "hf": opts.hf, "fp8_weights": opts.fp8_weights, "cuda_graphs": opts.graph, "warmup_ms": opts.warmup_ms, "rep_ms": opts.rep_ms,
     }

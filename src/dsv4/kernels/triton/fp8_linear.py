@@ -3,7 +3,7 @@
 
     one row of x (a batch-1 decode step)   `_gemv_kernel`: a stream over the codes, as `gemv`: each
                                            program BLOCK_N whole rows, K in BLOCK_K steps, the x
-                                           slice pre-multiplied by the block's scale (a program's
+                                           slice pre-multiplied by its blocks' scales (a program's
                                            rows share one scale row), one reduction at the end
     more rows (decode batches, prefill)    `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
                                            scale block (128): the codes converted to x's dtype
@@ -30,22 +30,26 @@ from dsv4.model.fp8_weights import BLOCK, scale_shape
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # a K step is J scale blocks of 128: tiles [BLOCK_N, J, 128], so the J scales load as one vector
+    # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale)
+    J: tl.constexpr = BLOCK_K // 128
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rj = tl.arange(0, J)
     nm = rn < N
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    wrow = w_ptr + rn[:, None, None].to(tl.int64) * s_wn
+    acc = tl.zeros([BLOCK_N, J, 128], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
+        kk = k0 + rj[:, None] * 128 + tl.arange(0, 128)[None, :]            # [J, 128]
         km = kk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)
-        xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * tl.load(srow + kk // 128, mask=km, other=0.0)
-        acc += w * xs[None, :]
-    tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
+        w = tl.load(wrow + kk[None, :, :], mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
+        sc = tl.load(srow + k0 // 128 + rj, mask=k0 + rj * 128 < K, other=0.0)
+        xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * sc[:, None]
+        acc += w * xs[None, :, :]
+    tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 2), 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -93,9 +97,12 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
         raise InputError(f"each of the {groups} output groups needs a multiple of 16 rows, got {n // groups}")
 
 
-def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the three
-    regimes by the number of rows."""
+def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
+               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
+    the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
+    benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
+    warps, stages)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -107,31 +114,31 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         x, codes, scale = x.contiguous(), codes.contiguous(), scale.contiguous()
     launch = pdl_launch(x.device)
     if t == 1:
-        bn, bk, warps, stages = _gemv_tiles(k)
+        bn, bk, warps, stages = tiles or _gemv_tiles(k)
         bn = _block_n(n_group, groups, bn)
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
-    bm, bn, warps = _gemm_tiles(t)
+    bm, bn, warps, stages = tiles or _gemm_tiles(t)
     bn = _block_n(n_group, groups, bn)
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm))](
         x, codes, scale, y, t, n, k, n_group, x.stride(0), y.stride(0), codes.stride(0), scale.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=3, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
     return y
 
 
-def _gemm_tiles(t: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) for t rows: few-row tiles for decode batches (the weight read once,
-    many programs), 128 x 128 for prefill chunks (each code tile converted once per 128 rows)."""
+def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for t rows: few-row tiles for decode batches (the weight read
+    once, many programs), 128 x 128 for prefill chunks (each code tile converted once per 128 rows)."""
     if t <= 64:
-        return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4
-    return (64, 64, 4) if t <= 256 else (128, 128, 8)
+        return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
+    return (64, 64, 4, 3) if t <= 256 else (128, 128, 8, 3)
 
 
 def _gemv_tiles(k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages): `gemv._tiles` with twice the K per step (a byte a weight,
-    so the same bytes per load)."""
+    """(BLOCK_N, BLOCK_K, warps, stages), BLOCK_K a multiple of 128: `gemv._tiles` with twice the K per
+    step (a byte a weight, so the same bytes per load)."""
     if k <= 1024:
         return 16, 512, 4, 4
     return 4, 2048, 4, 3
