@@ -36,14 +36,14 @@ SHAPES = [("q_a + kv", 1, 1536, 4096), ("CSA q_b + iq_b", 1, 40960, 1024), ("HCA
           ("o_a (8 groups)", 8, 8192, 4096), ("o_b", 1, 4096, 8192)]
 GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8, 3), (16, 512, 4, 4),
                  (32, 512, 8, 4), (2, 4096, 4, 3), (4, 4096, 8, 2), (8, 512, 4, 4), (16, 256, 4, 4)]
-GEMM_VARIANTS = [(16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 4),
-                 (16, 32, 4, 4), (128, 128, 8, 3)]
+GEMM_VARIANTS = [(16, 64, 4, 3), (16, 32, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 4),
+                 (128, 64, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rows", default="1,64", help="rows of x (decode batch sizes)")
+    ap.add_argument("--rows", default="1,16,64", help="rows of x (decode batch sizes)")
     ap.add_argument("--prefill", action="store_true", help="also 8192 rows (a prefill chunk) vs cuBLAS bf16")
     args = ap.parse_args()
     timer = Timer(OPTS)
@@ -69,7 +69,7 @@ def main() -> int:
                 cases["bf16 bmm (the layer's path)"] = (lambda xg=xg, wg=wg: torch.bmm(xg, wg.transpose(1, 2)),
                                                         torch.bmm(xg.float(), wg.float().transpose(1, 2)))
             cases["fp8 default"] = (lambda x=x: linear_fp8(x, codes, scale, groups), want)
-            for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-2:]):
+            for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
                     lambda x=x, tiles=tiles: linear_fp8(x, codes, scale, groups, tiles=tiles), want)
             if t == 1:

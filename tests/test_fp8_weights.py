@@ -8,15 +8,17 @@ from __future__ import annotations
 import hf_oracle as hfo
 import pytest
 import torch
-from attn_helpers import make_block, rel_l2, run_dsv4
+from attn_helpers import default_tokens_per_block, make_block, rel_l2, run_dsv4
 from conftest import real_dims_config, tiny_config
 
+from dsv4 import KVCacheManager
 from dsv4.attention import AttentionSubBlock
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear_fp8 as ref_linear_fp8
 from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
 from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)")
 
 
@@ -88,17 +90,17 @@ def test_reference_equals_float64_product():
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-# rows: 1 (the GEMV), 2-256 (the GEMM kernel, tiles of 16 / 32 / 64 rows), > 256 (dequantise + torch);
-# N and K off the 128 block, a group of 16 rows, several groups
+# rows: 1 (the GEMV), more (the GEMM kernel: tiles of 16 / 32 / 64 / 128 rows); N and K off the 128 block, a
+# group of 16 rows, several groups; K 1100 / 2200: split K (on the CPU, 2 and 4 splits, the last one partial)
 _CASES = [(1, 200, 300, 1), (1, 64, 96, 4), (1, 1, 129, 1), (3, 200, 300, 1), (17, 48, 130, 3), (40, 256, 256, 2),
-          (70, 130, 70, 1), (300, 96, 160, 2)]
+          (70, 130, 70, 1), (300, 96, 160, 2), (5, 64, 1100, 1), (2, 32, 2200, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,n,k,groups", _CASES)
 def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
-    _, codes, scale = _weight(n, k)
-    x = torch.randn(t, groups * k).to(dtype)
+    _, codes, scale = _weight(n, k, DEVICE)
+    x = torch.randn(t, groups * k, device=DEVICE).to(dtype)
     y = tri_linear_fp8(x, codes, scale, groups)
     want = ref_linear_fp8(x.float(), codes, scale, groups)          # fp32, not yet rounded to dtype
     assert y.dtype == dtype and y.shape == (t, n)
@@ -140,15 +142,24 @@ def test_layer_with_fp8_weights_equals_dense_dequantised(layer):
     want = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"} | ({"compressor.indexer.q_b_proj"} if layer == 1
                                                                           else set())
     assert set(mods) == want
+    fp8.to(DEVICE)
+    dense.to(DEVICE)
     g = torch.Generator().manual_seed(5)
     xs = {"a": torch.randn(24, cfg.hidden_size, generator=g), "b": torch.randn(9, cfg.hidden_size, generator=g)}
+    xs = {r: x.to(DEVICE) for r, x in xs.items()}
     sched = [{"a": 17, "b": 3}, {"b": 4}, {"a": 1, "b": 1}, {"a": 5}, {"a": 1, "b": 1}]
-    got_ref = run_dsv4(cfg, layer, None, xs, sched, blk=fp8)
-    want_out = run_dsv4(cfg, layer, None, xs, sched, blk=dense)
+
+    def run(blk: AttentionSubBlock) -> dict[str, torch.Tensor]:
+        mgr = KVCacheManager(cfg, max_requests=2, num_blocks=16, device=DEVICE, kv_format="fp32",
+                             indexer_format="fp32", tokens_per_block=default_tokens_per_block(cfg))
+        return run_dsv4(cfg, layer, None, xs, sched, blk=blk, mgr=mgr)
+
+    fp8.backend = dense.backend = "reference"
+    got_ref, want_out = run(fp8), run(dense)
     for r in xs:
         assert rel_l2(got_ref[r], want_out[r]) < 1e-5, (r, rel_l2(got_ref[r], want_out[r]))
     fp8.backend = "triton"
-    got_tri = run_dsv4(cfg, layer, None, xs, sched, blk=fp8)
+    got_tri = run(fp8)
     for r in xs:
         assert rel_l2(got_tri[r], want_out[r]) < 1e-4, (r, rel_l2(got_tri[r], want_out[r]))
 

@@ -8,7 +8,9 @@
     more rows (decode batches, prefill)    `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
                                            scale block (128): the codes converted to x's dtype
                                            (exact: e4m3 fits bf16), one dot, times the block's scale;
-                                           tiles grow with the rows (`_gemm_tiles`)
+                                           tiles grow with the rows (`_gemm_tiles`); too few tiles
+                                           for the SMs split K (`_k_splits`), the fp32 partials
+                                           summed in split order by `_sum_splits_kernel`
 
 Weights are exact in every regime: W = codes x scale is never rounded to x's dtype (a V3-style fp32
 scale would not survive it).
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import InputError
-from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
+from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 @triton.jit
@@ -53,10 +55,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_group, s_xm, s_ym, s_wn, s_sn, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    # grid axis 2: the K split (a multiple of 128 codes); with several, y is the fp32 partials [S, M, N]
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(2) * K_SPLIT
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, 128)
@@ -64,7 +68,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_group, s_xm, s_ym, s_wn,
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, 128):
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
         kk = k0 + rk
         km = kk < K
         x = tl.load(xg + rm[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
@@ -75,8 +79,20 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, n_group, s_xm, s_ym, s_wn,
         else:           # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         acc += part * tl.load(srow + k0 // 128)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mm[:, None] & nm[None, :])
+    y_tile = y_ptr + tl.program_id(2).to(tl.int64) * s_ys + rm[:, None].to(tl.int64) * s_ym + rn[None, :]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y = the sum of the K splits' fp32 partials [SPLITS, size], in split order (deterministic)."""
+    pdl_enter(PDL)
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = o < size
+    acc = tl.zeros([BLOCK], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + sp * size + o, mask=ok, other=0.0)
+    tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _block_n(n_group: int, groups: int, most: int) -> int:
@@ -122,10 +138,27 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     bm, bn, warps, stages = tiles or _gemm_tiles(t)
     bn = _block_n(n_group, groups, bn)
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm))](
-        x, codes, scale, y, t, n, k, n_group, x.stride(0), y.stride(0), codes.stride(0), scale.stride(0),
+    tiles_mn = triton.cdiv(n, bn) * triton.cdiv(t, bm)
+    splits, k_split = _k_splits(tiles_mn, k, sm_count(x.device) if x.is_cuda else 4)
+    out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
+        x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                                         **launch)
     return y
+
+
+def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
+    """(splits, codes per split): K is split while the output tiles alone give fewer than two programs
+    per SM and each split keeps at least 4 scale blocks (512 codes). A decode batch's wide-K
+    projections (q_a + kv: 24 tiles of 64 x 64 at 64 rows; W_ob: 64) would otherwise leave most SMs
+    idle; the partials' round trip is at most the weight's bytes."""
+    splits = 1
+    while tiles_mn * splits < 2 * sms and k >= 2 * splits * 512:
+        splits *= 2
+    return splits, triton.cdiv(triton.cdiv(k, splits), BLOCK) * BLOCK
 
 
 def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
