@@ -15,6 +15,7 @@ from dsv4 import KVCacheManager
 from dsv4.attention import AttentionSubBlock
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear_fp8 as ref_linear_fp8
+from dsv4.kernels.triton import fp8_linear
 from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
 from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
 
@@ -90,8 +91,9 @@ def test_reference_equals_float64_product():
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-# rows: 1 (the GEMV), more (the GEMM kernel: tiles of 16 / 32 / 64 / 128 rows); N and K off the 128 block, a
-# group of 16 rows, several groups; K 1100 / 2200: split K (on the CPU, 2 and 4 splits, the last one partial)
+# rows: 1 (the GEMV), 2-256 (the GEMM kernel: tiles of 16 / 32 / 64 rows), > 256 (dequantise, then torch's
+# GEMM); N and K off the 128 block, a group of 16 rows, several groups; K 1100 / 2200: split K (on the CPU,
+# 2 and 4 splits, the last one partial)
 _CASES = [(1, 200, 300, 1), (1, 64, 96, 4), (1, 1, 129, 1), (3, 200, 300, 1), (17, 48, 130, 3), (40, 256, 256, 2),
           (70, 130, 70, 1), (300, 96, 160, 2), (5, 64, 1100, 1), (2, 32, 2200, 2)]
 
@@ -99,12 +101,27 @@ _CASES = [(1, 200, 300, 1), (1, 64, 96, 4), (1, 1, 129, 1), (3, 200, 300, 1), (1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,n,k,groups", _CASES)
 def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
-    _, codes, scale = _weight(n, k, DEVICE)
+    """UE8M0 scales: the prefill regime's bf16 W is exact too, so every regime meets the same bound."""
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
+    codes, scale = quantize_blocks(w, "ue8m0")
     x = torch.randn(t, groups * k, device=DEVICE).to(dtype)
     y = tri_linear_fp8(x, codes, scale, groups)
     want = ref_linear_fp8(x.float(), codes, scale, groups)          # fp32, not yet rounded to dtype
     assert y.dtype == dtype and y.shape == (t, n)
     _assert_close_to_product(y, want, x, codes, scale, groups)
+
+
+def test_prefill_regime_with_fp32_scales_rounds_weights_once():
+    """V3-style fp32 scales: over 256 rows W is rounded once to bf16 (2^-9 relative per weight), so
+    the output moves by at most 2^-9 of |x| |W|^T beyond the bf16 output rounding."""
+    _, codes, scale = _weight(96, 384, DEVICE)
+    x = torch.randn(300, 384, device=DEVICE).to(torch.bfloat16)
+    y = tri_linear_fp8(x, codes, scale)
+    want = ref_linear_fp8(x.float(), codes, scale)
+    mag = ref_linear_fp8(x.float().abs(), codes.float().abs().to(codes.dtype), scale)
+    assert ((y.float() - want).abs() <= 2.0**-9 * mag + 2.0**-7 * want.abs() + 1e-6).all()
+    torch.testing.assert_close(fp8_linear.dequantize(codes, scale, torch.float32), dequantize_blocks(codes, scale),
+                               rtol=0, atol=0)
 
 
 def test_linear_fp8_rejects_bad_arguments():
@@ -227,7 +244,7 @@ def test_fp8_load_errors():
 def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
     """V4-Flash's FP8 projections (fused input, q up, grouped o_a, o_b) with bf16 activations."""
     dev = torch.device("cuda")
-    _, codes, scale = _weight(n, k, dev)
+    codes, scale = quantize_blocks(torch.randn(n, k, device=dev) * 0.02, "ue8m0")      # V4's scales
     x = torch.randn(t, groups * k, device=dev).to(torch.bfloat16)
     y = tri_linear_fp8(x, codes, scale, groups)
     _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)

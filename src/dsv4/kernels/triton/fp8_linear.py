@@ -5,15 +5,20 @@
                                            program BLOCK_N whole rows, K in BLOCK_K steps, the x
                                            slice pre-multiplied by its blocks' scales (a program's
                                            rows share one scale row), one reduction at the end
-    more rows (decode batches, prefill)    `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
+    2 .. 256 rows (decode batches)         `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
                                            scale block (128): the codes converted to x's dtype
                                            (exact: e4m3 fits bf16), one dot, times the block's scale;
-                                           tiles grow with the rows (`_gemm_tiles`); too few tiles
-                                           for the SMs split K (`_k_splits`), the fp32 partials
-                                           summed in split order by `_sum_splits_kernel`
+                                           too few tiles for the SMs split K (`_k_splits`), the
+                                           fp32 partials summed in split order (`_sum_splits_kernel`)
+    more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
+                                           (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
+                                           compute-bound: cuBLAS runs it at ~3x the rate of the
+                                           kernel above (H100, 8K rows: 725-780 vs 255-280 TFLOP/s),
+                                           and the dequantisation adds ~5% (benchmarks/tune_fp8.py)
 
-Weights are exact in every regime: W = codes x scale is never rounded to x's dtype (a V3-style fp32
-scale would not survive it).
+Up to 256 rows the weights are exact (W is never rounded). In the prefill regime W is rounded once to
+x's dtype: exact for power-of-two scales (V4's UE8M0 scales, `quantize_blocks`' default), one bf16
+rounding (2^-9 relative) of each weight for V3-style fp32 scales.
 
 `groups` G: output group g (N/G columns) reads x's g-th K columns, the grouped o_a projection as
 one launch. A program never straddles a group or a scale row: BLOCK_N divides 128 and N/G.
@@ -28,6 +33,8 @@ import triton.language as tl
 from dsv4.errors import InputError
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
+
+_GEMM_MAX_ROWS = 256
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
@@ -84,6 +91,28 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
 
 
 @triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr):
+    """One [BLOCK_N, 128] tile of W = codes x scale (BLOCK_N divides 128: one scale per tile)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    k0 = tl.program_id(1) * 128
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = k0 + tl.arange(0, 128)
+    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    sc = tl.load(s_ptr + (n0 // 128) * s_sn + k0 // 128)
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + rk[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], (w * sc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W = codes x scale [N, K] in dtype (the twin of `fp8_weights.dequantize_blocks`, one pass)."""
+    n, k = codes.shape
+    out = torch.empty(n, k, dtype=dtype, device=codes.device)
+    _dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 128))](codes, scale, out, n, k, codes.stride(0),
+                                                                scale.stride(0), BLOCK_N=32, num_warps=4)
+    return out
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, y_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = the sum of the K splits' fp32 partials [SPLITS, size], in split order (deterministic)."""
     pdl_enter(PDL)
@@ -128,6 +157,13 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         return y
     if x.stride(-1) != 1 or codes.stride(-1) != 1 or scale.stride(-1) != 1:
         x, codes, scale = x.contiguous(), codes.contiguous(), scale.contiguous()
+    if t > _GEMM_MAX_ROWS and tiles is None:
+        w = dequantize(codes, scale, x.dtype)
+        if groups == 1:
+            return torch.nn.functional.linear(x, w)
+        torch.bmm(x.view(t, groups, k).transpose(0, 1), w.view(groups, n_group, k).transpose(1, 2),
+                  out=y.view(t, groups, n_group).transpose(0, 1))
+        return y
     launch = pdl_launch(x.device)
     if t == 1:
         bn, bk, warps, stages = tiles or _gemv_tiles(k)
