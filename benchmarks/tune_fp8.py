@@ -61,20 +61,21 @@ def main() -> int:
             want = ref_fp8(x.float(), codes, scale, groups)
             cases: dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor | None]] = {}
             if groups == 1:
-                bf16 = (lambda x=x: gv.gemv(x, wb)) if t == 1 else (lambda x=x: torch.nn.functional.linear(x, wb))
+                bf16 = ((lambda x=x, wb=wb: gv.gemv(x, wb)) if t == 1
+                        else (lambda x=x, wb=wb: torch.nn.functional.linear(x, wb)))
                 cases["bf16 (the layer's path)"] = (bf16, x.float() @ wb.float().T)
             else:
                 wg = wb.view(groups, n // groups, k)
                 xg = x.view(t, groups, k).transpose(0, 1)
                 cases["bf16 bmm (the layer's path)"] = (lambda xg=xg, wg=wg: torch.bmm(xg, wg.transpose(1, 2)),
                                                         torch.bmm(xg.float(), wg.float().transpose(1, 2)))
-            cases["fp8 default"] = (lambda x=x: linear_fp8(x, codes, scale, groups), want)
+            cases["fp8 default"] = (lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g), want)
             for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
-                    lambda x=x, tiles=tiles: linear_fp8(x, codes, scale, groups, tiles=tiles), want)
+                    lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
             if t == 1:
                 out = torch.empty(triton.cdiv(codes.numel(), 8192), device=DEV)
-                cases["read floor (fp8 codes)"] = (lambda out=out: plain_read(codes.view(torch.uint8), out), None)
+                cases["read floor (fp8 codes)"] = (lambda c=codes, out=out: plain_read(c.view(torch.uint8), out), None)
             times: dict[str, list[float]] = {}
             for label, (fn, ref) in cases.items():
                 try:

@@ -28,6 +28,7 @@ from dsv4.engine import Engine
 from dsv4.engine.default_model import build_default_model, default_prompts
 from dsv4.errors import CheckpointError, InputError, OutOfBlocksError
 from dsv4.model.config import DSV4Config
+from dsv4.model.fp8_weights import FP8_MODULES, BlockFP8Linear, dequantize_blocks, quantize_blocks
 from dsv4.model.weights import _PREFIXES
 
 FP32 = {"kv_format": "fp32", "indexer_format": "fp32"}
@@ -143,6 +144,40 @@ def test_greedy_matches_transformers_generate_token_for_token():
     assert [len(o) for o in res.outputs] == new          # no early EOS: 140 new tokens really ran
     assert len(set(res.outputs[2])) > 10                 # not a constant (or short-cycle) stream
     assert res.stats.prompt_tokens == sum(lengths) and res.stats.generated_tokens == sum(new)
+
+
+def test_fp8_weights_match_transformers_with_the_dequantised_weights(capsys):
+    """fp8_weights=True: the attention projections DeepSeek ships in FP8 become FP8 blocks, and the greedy
+    tokens equal HF's generate() on a model whose same weights were replaced by codes x scales (fp32
+    cache and compute: the blocks' weights are exactly those). `dsv4 run --fp8-weights` reports it."""
+    prompts, new = prompts_of(300, 24), [6, 30]
+    ref = build_default_model()
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for name in FP8_MODULES:
+                mod = layer.self_attn.get_submodule(name) if _has(layer.self_attn, name) else None
+                if mod is not None:
+                    mod.weight.copy_(dequantize_blocks(*quantize_blocks(mod.weight)))
+    hooks = _require_float_masks(ref)
+    expected = [hf_generate(ref, p, n) for p, n in zip(prompts, new)]
+    for h in hooks:
+        h.remove()
+    eng = Engine(build_default_model(), fp8_weights=True, **FP32)
+    assert eng.weights.startswith("fp8 blocks")
+    assert any(isinstance(m, BlockFP8Linear) for m in eng.blocks[1].modules())
+    res = eng.run(prompts, max_new_tokens=new)
+    assert res.outputs == expected and res.stats.weights == eng.weights
+    assert Engine(build_default_model(), **FP32).weights == "dense"
+    assert main(["run", "--fp8-weights", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "fp8 blocks" in capsys.readouterr().out
+
+
+def _has(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

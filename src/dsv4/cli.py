@@ -251,6 +251,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads for torch (default: 1 for the built-in model, whose ops are too small to "
                         "share; torch's default otherwise)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="hold the attention projections DeepSeek-V4 ships in FP8 as FP8 blocks (e4m3 + a scale per "
+                        "128x128): half their memory and batch-1 read time; an FP8 checkpoint's own weights are kept")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_cmd_run)
 

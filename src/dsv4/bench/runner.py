@@ -140,5 +140,6 @@ def _meta(opts: BenchOptions, cfg: DSV4Config, tpb: int) -> dict[str, Any]:
         "kv_format": opts.kv_format, "indexer_format": opts.indexer_format, "dtype": "bfloat16",
         "quick": opts.quick, "contexts": list(opts.contexts), "batches": list(opts.batches),
         "prefill": opts.prefill, "prefill_chunk": opts.prefill_chunk, "backends": list(opts.backends),
-        "hf": opts.hf, "fp8_weights": opts.fp8_weights, "cuda_graphs": opts.graph, "warmup_ms": opts.warmup_ms, "rep_ms": opts.rep_ms,
+        "hf": opts.hf, "fp8_weights": opts.fp8_weights, "cuda_graphs": opts.graph, "warmup_ms": opts.warmup_ms,
+        "rep_ms": opts.rep_ms,
     }

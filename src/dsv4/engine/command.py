@@ -86,7 +86,7 @@ def run_from_args(args) -> int:
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     opts = {"kv_format": args.kv_format, "indexer_format": args.indexer_format, "memory_bytes": args.memory,
             "max_requests": args.max_requests, "device": device, "max_batch_tokens": args.max_batch_tokens,
-            "dtype": dtype, "cuda_graphs": not args.no_cuda_graphs}
+            "dtype": dtype, "cuda_graphs": not args.no_cuda_graphs, "fp8_weights": args.fp8_weights}
     if args.model is None:
         engine = Engine(build_default_model(DEFAULT_SEED), **opts)
         engine.name = "built-in random DSV4 (4 layers: SWA, CSA, HCA, CSA)"

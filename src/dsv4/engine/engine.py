@@ -13,6 +13,9 @@ Cache options are `KVCacheManager`'s: kv_format, indexer_format, tokens_per_bloc
 memory_bytes, max_requests, device, backend (kernels: "auto" = Triton on CUDA when installed, else the
 PyTorch reference). With neither num_blocks nor memory_bytes, each call gets a
 cache sized to hold its `max_requests` largest requests at once (nothing is then rejected).
+`fp8_weights=True` holds the attention projections DeepSeek-V4 checkpoints ship in FP8 as FP8
+blocks (`dsv4.model.fp8_weights`): quantised from the model's weights where they are dense; an FP8
+checkpoint's own codes and scales are kept either way.
 
 A request that could never fit in the cache is rejected: generate() returns [] for it and serves
 the others; `run()` reports it. Only when every request is rejected does the call raise
@@ -32,7 +35,13 @@ import torch
 from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.schema import block_fill_ratio, blocks_needed, build_schemas
 from dsv4.engine.checkpoint import load_checkpoint
-from dsv4.engine.model_runner import ModelRunner, cast_like_transformers, check_patchable, patch_attention
+from dsv4.engine.model_runner import (
+    ModelRunner,
+    cast_like_transformers,
+    check_patchable,
+    patch_attention,
+    weights_label,
+)
 from dsv4.engine.report import RunStats, StatsRecorder
 from dsv4.engine.sampling import check_sampling, request_generator, sample
 from dsv4.engine.scheduler import Request, Scheduler, Status
@@ -52,7 +61,8 @@ class Engine:
     def __init__(self, model_or_path, *, kv_format: str = "fp8_ds", indexer_format: str = "mxfp4",
                  tokens_per_block: int = 256, num_blocks: int | None = None, memory_bytes: int | None = None,
                  max_requests: int = 8, device: torch.device | str | None = None, max_batch_tokens: int = 2048,
-                 dtype: torch.dtype | None = None, backend: str = "auto", cuda_graphs: bool = True):
+                 dtype: torch.dtype | None = None, backend: str = "auto", cuda_graphs: bool = True,
+                 fp8_weights: bool = False):
         self.tokenizer = None
         self.cuda_graphs = cuda_graphs
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -90,7 +100,11 @@ class Engine:
         if model.model.embed_tokens.weight.dtype != self.dtype:
             cast_like_transformers(model, self.dtype)
         self.model = model.to(self.device).eval()
-        patch_attention(self.model, self.cfg, self.dtype)
+        self.blocks = patch_attention(self.model, self.cfg, self.dtype)
+        if fp8_weights:
+            for block in self.blocks:
+                block.quantize_weights()
+        self.weights = weights_label(self.blocks)
         self.vocab_size = int(model.config.vocab_size)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = model.config.eos_token_id if eos is None else eos
@@ -148,7 +162,7 @@ class Engine:
             rec, wall_s=wall, requests=len(reqs), completed=len(served), rejected=len(reqs) - len(served),
             prompt_tokens=sum(len(r.prompt) for r in served), generated_tokens=sum(len(r.output) for r in served),
             model=self.name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-            kv_format=mgr.kv_format, indexer_format=mgr.indexer_format,
+            kv_format=mgr.kv_format, indexer_format=mgr.indexer_format, weights=self.weights,
             cuda_graphs=f"{runner.graph_status}, {runner.replays} replayed steps")
         return GenerationResult(
             outputs=[list(r.output) for r in reqs],

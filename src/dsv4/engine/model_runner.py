@@ -25,6 +25,7 @@ from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.manager import KVCacheManager
 from dsv4.errors import CheckpointError
 from dsv4.model.config import DSV4Config
+from dsv4.model.fp8_weights import BlockFP8Linear
 
 # Above this, a decode graph's expert gather costs more than the launches it saves.
 _MAX_EXPERT_GATHER_BYTES = 1 << 30
@@ -78,6 +79,13 @@ def patch_attention(model: nn.Module, cfg: DSV4Config, dtype: torch.dtype) -> li
         layer.self_attn = PagedSelfAttention(block)  # drops the last reference to the HF module
         blocks.append(block)
     return blocks
+
+
+def weights_label(blocks: list[AttentionSubBlock]) -> str:
+    """How the attention projections are held: "dense" or "fp8 blocks (n of m projections)"."""
+    mods = [m for b in blocks for m in b.modules() if isinstance(m, nn.Linear | BlockFP8Linear)]
+    fp8 = sum(isinstance(m, BlockFP8Linear) for m in mods)
+    return "dense" if not fp8 else f"fp8 blocks ({fp8} of {len(mods)} projections)"
 
 
 def check_patchable(model: nn.Module, cfg: DSV4Config) -> None:

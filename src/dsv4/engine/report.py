@@ -46,6 +46,7 @@ class RunStats:
     device: str
     dtype: str
     kv_format: str
+    weights: str                     # the attention projections: "dense" or "fp8 blocks (...)"
     indexer_format: str
     cuda_graphs: str                 # decode graphs: on/off/n/a and how many steps replayed
     requests: int
@@ -100,6 +101,7 @@ def stats_table(s: RunStats, title: str = "dsv4 run"):
         ("model", s.model),
         ("device / dtype", f"{s.device} / {s.dtype}"),
         ("cache formats", f"kv {s.kv_format}, indexer {s.indexer_format}"),
+        ("attention weights", s.weights),
         ("decode CUDA graphs", s.cuda_graphs),
         ("requests", f"{s.requests} ({s.completed} completed, {s.rejected} rejected)"),
         ("prompt tokens", f"{s.prompt_tokens:,}"),

@@ -134,7 +134,8 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
     if codes.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
         raise InputError(f"FP8 weights must be float8_e4m3fn codes with fp32 scales, got {codes.dtype} / {scale.dtype}")
     if tuple(scale.shape) != scale_shape(n, k):
-        raise InputError(f"scales of a [{n}, {k}] FP8 weight must be {list(scale_shape(n, k))}, got {list(scale.shape)}")
+        raise InputError(f"scales of a [{n}, {k}] FP8 weight must be {list(scale_shape(n, k))}, "
+                         f"got {list(scale.shape)}")
     if x.dim() != 2 or x.shape[1] != groups * k or n % groups:
         raise InputError(f"x must be [T, {groups} x {k}] for a [{n}, {k}] weight in {groups} group(s), "
                          f"got {list(x.shape)}")
