@@ -36,11 +36,8 @@ SHAPES = [("q_a + kv", 1, 1536, 4096), ("CSA q_b + iq_b", 1, 40960, 1024), ("HCA
           ("o_a (8 groups)", 8, 8192, 4096), ("o_b", 1, 4096, 8192)]
 GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8, 3), (16, 512, 4, 4),
                  (32, 512, 8, 4), (2, 4096, 4, 3), (4, 4096, 8, 2), (8, 512, 4, 4), (16, 256, 4, 4)]
-# (BLOCK_M, BLOCK_N, warps, stages, swap): swap puts the converted code tile first in the dot (y^T = W x^T)
-GEMM_VARIANTS = [(16, 64, 4, 3, False), (32, 64, 4, 3, False), (64, 64, 4, 3, False), (64, 128, 8, 3, False),
-                 (16, 64, 4, 3, True), (16, 128, 4, 3, True), (32, 64, 4, 3, True), (64, 64, 4, 3, True),
-                 (64, 128, 8, 3, True), (32, 128, 4, 4, True), (128, 128, 8, 3, False),
-                 (128, 256, 8, 3, False)]
+GEMM_VARIANTS = [(16, 64, 4, 3), (16, 32, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 4),
+                 (128, 64, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
 
 
 def main() -> int:
@@ -74,8 +71,7 @@ def main() -> int:
                                                         torch.bmm(xg.float(), wg.float().transpose(1, 2)))
             cases["fp8 default"] = (lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g), want)
             for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
-                swap = " swap" if len(tiles) > 4 and tiles[4] else ""
-                cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}{swap}"] = (
+                cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
                     lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
             if t == 1:
                 out = torch.empty(triton.cdiv(codes.numel(), 8192), device=DEV)

@@ -63,11 +63,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, SWAP: tl.constexpr,
-                 PDL: tl.constexpr):
-    # grid axis 2: the K split (a multiple of 128 codes); with several, y is the fp32 partials [S, M, N].
-    # SWAP: y^T = W x^T, the converted code tile as the dot's first operand (sm_90: wgmma's A may come
-    # from registers, so the tile goes from its load to the tensor cores without a shared-memory copy)
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    # grid axis 2: the K split (a multiple of 128 codes); with several, y is the fp32 partials [S, M, N]
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     k_lo = tl.program_id(2) * K_SPLIT
@@ -77,32 +74,20 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
     mm, nm = rm < M, rn < N
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
         kk = k0 + rk
         km = kk < K
         x = tl.load(xg + rm[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0)
-        if NATIVE and SWAP:     # bf16 / fp16 x: e4m3 codes are exact in x's dtype
-            part = tl.dot(w.to(x.dtype), tl.trans(x))
-        elif NATIVE:
+        if NATIVE:      # bf16 / fp16 x: e4m3 codes are exact in x's dtype
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        elif SWAP:              # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
-            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
+        else:           # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         acc += part * tl.load(srow + k0 // 128)
-    y_base = y_ptr + tl.program_id(2).to(tl.int64) * s_ys
-    if SWAP:
-        tl.store(y_base + rm[None, :].to(tl.int64) * s_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=nm[:, None] & mm[None, :])
-    else:
-        tl.store(y_base + rm[:, None].to(tl.int64) * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mm[:, None] & nm[None, :])
+    y_tile = y_ptr + tl.program_id(2).to(tl.int64) * s_ys + rm[:, None].to(tl.int64) * s_ym + rn[None, :]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
 @triton.jit
@@ -159,11 +144,11 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
-    warps, stages, swap)."""
+    warps, stages)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -187,7 +172,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
-    bm, bn, warps, stages, swap = tiles or _gemm_tiles(t)
+    bm, bn, warps, stages = tiles or _gemm_tiles(t)
     bn = _block_n(n_group, groups, bn)
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     tiles_mn = triton.cdiv(n, bn) * triton.cdiv(t, bm)
@@ -195,7 +180,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
     _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
         x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, SWAP=swap, num_warps=warps, num_stages=stages, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
@@ -213,10 +198,12 @@ def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
     return splits, triton.cdiv(triton.cdiv(k, splits), BLOCK) * BLOCK
 
 
-def _gemm_tiles(t: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, warps, stages, swap) for t rows (decode batches: the weight read once, many
-    programs)."""
-    return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3, False
+def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for t rows: few-row tiles for decode batches (the weight read
+    once, many programs), 128 x 128 for prefill chunks (each code tile converted once per 128 rows)."""
+    if t <= 64:
+        return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
+    return (64, 64, 4, 3) if t <= 256 else (128, 128, 8, 3)
 
 
 def _gemv_tiles(k: int) -> tuple[int, int, int, int]:
