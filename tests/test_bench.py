@@ -13,8 +13,9 @@ import torch
 from dsv4.attention import AttentionSubBlock
 from dsv4.bench import main
 from dsv4.bench.common import LAYER_INDEX, bench_config
-from dsv4.bench.counts import Geometry, decode_work, layer_params, prefill_work
+from dsv4.bench.counts import Geometry, decode_work, fp8_layer_params, layer_params, param_bytes, prefill_work
 from dsv4.bench.setup import build_decode_state, make_block
+from dsv4.model.fp8_weights import FP8_MODULES
 
 OPS = {"csa": {"append", "flush", "indexer", "attention", "cache", "layer"},
        "hca": {"append", "flush", "attention", "cache", "layer"}}
@@ -124,6 +125,11 @@ def test_parameter_count_matches_the_layer(kind):
     proj, other = layer_params(cfg, kind)
     assert proj + other == sum(p.numel() for p in blk.parameters())
     assert proj == sum(p.numel() for n, p in blk.named_parameters() if n.endswith("proj.weight"))
+    fp8 = sum(p.numel() for n, p in blk.named_parameters() if n.removesuffix(".weight") in FP8_MODULES)
+    assert fp8_layer_params(cfg, kind) == fp8
+    geo = Geometry.of(cfg, kind)
+    # FP8 blocks: one byte a weight plus an fp32 scale per 128 x 128 block, the rest bf16
+    assert param_bytes(geo, True) == param_bytes(geo, False) - fp8 + fp8 // 16384 * 4
 
 
 def test_synthetic_decode_state_is_valid(one_thread):
@@ -174,6 +180,11 @@ def test_triton_backend_under_the_interpreter(tmp_path, one_thread):
     assert {r["op"] for r in rows} == OPS["hca"]
     for r in rows:
         assert (r["status"] == "ok" and r["us"] > 0 and r["mode"] == "host") or r["reason"], r
+    # the same layer with the checkpoint's FP8 projections: one more layer row, fewer bytes
+    (fp8,) = _rows(doc, impl="triton-fp8w")
+    (dense,) = _rows(doc, impl="triton", op="layer")
+    assert fp8["op"] == "layer" and fp8["status"] == "ok" and fp8["us"] > 0
+    assert fp8["bytes"] < dense["bytes"] and fp8["flops"] == dense["flops"]
 
 
 def test_failures_become_row_statuses(tmp_path, one_thread, monkeypatch):
