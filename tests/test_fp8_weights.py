@@ -230,6 +230,9 @@ def test_fp8_load_errors():
     bad = dict(sd, **{"kv_proj.weight_scale_inv": sd["kv_proj.weight_scale_inv"][:, :0]})
     with pytest.raises(InputError, match=r"kv_proj\.weight_scale_inv"):
         AttentionSubBlock(cfg, 2).load_hf_state_dict(bad)
+    bad = {k: v for k, v in sd.items() if k != "o_b_proj.weight_scale_inv"}
+    with pytest.raises(InputError, match="without their scales"):
+        AttentionSubBlock(cfg, 2).load_hf_state_dict(bad)
     with pytest.raises(InputError, match="no projection"):
         fp8.quantize_weights(modules=("compressor.indexer.q_b_proj",))
     with pytest.raises(InputError, match="scale_format"):

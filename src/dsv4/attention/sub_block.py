@@ -100,6 +100,9 @@ class AttentionSubBlock(nn.Module):
                 raise InputError(f"weight {k}: expected shape {list(own[k].shape)}, got {list(v.shape)}")
             if own[k].dtype == torch.float8_e4m3fn and v.dtype != torch.float8_e4m3fn:
                 raise InputError(f"weight {k} has a weight_scale_inv, so it must be float8_e4m3fn codes, got {v.dtype}")
+            if own[k].dtype != torch.float8_e4m3fn and v.dtype == torch.float8_e4m3fn:
+                raise InputError(f"weight {k} is float8_e4m3fn codes without their scales: give "
+                                 f"{k.removesuffix('.weight')}.weight_scale_inv too (an FP8 checkpoint's scales)")
         self.load_state_dict(state_dict, strict=True)
         self._fuse()
 
