@@ -233,6 +233,13 @@ def test_fp8_load_errors():
     bad = {k: v for k, v in sd.items() if k != "o_b_proj.weight_scale_inv"}
     with pytest.raises(InputError, match="without their scales"):
         AttentionSubBlock(cfg, 2).load_hf_state_dict(bad)
+    # a refused state dict changes nothing: the dense block keeps its modules and its outputs
+    blk = make_block(cfg, 2, hfo.random_attention_weights(cfg, 2, seed=4))
+    x = torch.randn(3, cfg.hidden_size)
+    before = blk.project(x)["q_a"].clone()
+    with pytest.raises(InputError, match="do not match"):
+        blk.load_hf_state_dict({k: v for k, v in sd.items() if k != "sinks"})
+    assert isinstance(blk.q_a_proj, torch.nn.Linear) and torch.equal(blk.project(x)["q_a"], before)
     with pytest.raises(InputError, match="no projection"):
         fp8.quantize_weights(modules=("compressor.indexer.q_b_proj",))
     with pytest.raises(InputError, match="scale_format"):

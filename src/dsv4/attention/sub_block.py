@@ -84,11 +84,23 @@ class AttentionSubBlock(nn.Module):
 
         A projection given with a `<name>.weight_scale_inv` (an FP8 checkpoint: float8_e4m3fn codes,
         fp32 or UE8M0 scales per 128 x 128 block) is held in that format (`BlockFP8Linear`); one given
-        without is held dense, in the weight's dtype as now."""
+        without is held dense, in the weight's dtype as now. A refused state dict changes nothing."""
+        swapped = []
         for name in self._projection_names():
             fp8 = name + ".weight_scale_inv" in state_dict
             if fp8 != isinstance(self.get_submodule(name), BlockFP8Linear):
+                swapped.append((name, self.get_submodule(name)))
                 self._swap(name, fp8)
+        try:
+            self._check_state_dict(state_dict)
+        except InputError:
+            for name, old in swapped:
+                self.set_submodule(name, old)
+            raise
+        self.load_state_dict(state_dict, strict=True)
+        self._fuse()
+
+    def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -103,8 +115,6 @@ class AttentionSubBlock(nn.Module):
             if own[k].dtype != torch.float8_e4m3fn and v.dtype == torch.float8_e4m3fn:
                 raise InputError(f"weight {k} is float8_e4m3fn codes without their scales: give "
                                  f"{k.removesuffix('.weight')}.weight_scale_inv too (an FP8 checkpoint's scales)")
-        self.load_state_dict(state_dict, strict=True)
-        self._fuse()
 
     def load_deepseek_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load weights named as DeepSeek's own checkpoint (wq_a, wkv, attn_sink, ...; FP8 scales `.scale`)."""
