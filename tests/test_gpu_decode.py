@@ -116,8 +116,10 @@ def test_cuda_graph_replay_equals_eager(layer):
         assert torch.equal(graph[r], eager[r]), (r, _rel_l2(graph[r], eager[r]))
 
 
-def test_engine_cuda_graphs_generate_the_same_tokens():
-    """The engine's decode graphs (captured per batch size) give the eager engine's tokens."""
+@pytest.mark.parametrize("fp8_weights", [False, True])
+def test_engine_cuda_graphs_generate_the_same_tokens(fp8_weights):
+    """The engine's decode graphs (captured per batch size) give the eager engine's tokens, with dense
+    or FP8 block projection weights."""
     from dsv4.engine import Engine
     from dsv4.engine.default_model import DEFAULT_SEED, build_default_model
 
@@ -125,7 +127,8 @@ def test_engine_cuda_graphs_generate_the_same_tokens():
     toks = {}
     for graphs in (False, True):
         eng = Engine(build_default_model(DEFAULT_SEED), device="cuda", kv_format="fp32", indexer_format="fp32",
-                     cuda_graphs=graphs)
+                     cuda_graphs=graphs, fp8_weights=fp8_weights)
+        assert eng.weights.startswith("fp8") == fp8_weights
         res = eng.run(prompts, max_new_tokens=40)
         toks[graphs] = res.outputs
         if graphs:
