@@ -123,7 +123,7 @@ def main() -> int:
     qi = torch.randn(2, 64, 128)
     g = torch.randn(2, 64)
     sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // 4, b.seq_len_bound // 4, 64)
-    which = sys.argv[1:] or ["scores", "scan", "attention", "topk", "cache"]
+    which = sys.argv[1:] or ["scores", "scan", "attention", "topk", "cache", "fp8"]
     if "scores" in which:
         for kw in [dict(precision="bf16x2", block_n=64, num_warps=8), dict(precision="bf16", block_n=64, num_warps=8),
                    dict(precision="bf16", block_n=128, num_warps=8), dict(precision="bf16", block_n=64, num_warps=4),
@@ -194,6 +194,18 @@ def main() -> int:
                        lambda kw=kw, d=d, dc=dc, ratio=ratio, ov=ov, state=state: cmp.compress_update(
                            torch.randn(1024, dc).bfloat16(), torch.randn(1024, dc).bfloat16(), state,
                            torch.tensor([1]), (0,), (1024,), ratio, ov, z_bias=torch.randn(ratio, dc), **kw))
+    if "fp8" in which:          # the FP8 block-weight projections (kernels.triton.fp8_linear) at V4-Flash shapes
+        from dsv4.kernels.triton import fp8_linear as fl
+        from dsv4.model.fp8_weights import quantize_blocks
+        for rows, n, k, groups in [(1, 40960, 1024, 1), (1, 8192, 4096, 8), (1, 4096, 8192, 1), (16, 40960, 1024, 1),
+                                   (64, 40960, 1024, 1), (64, 4096, 8192, 1)]:
+            codes, scale = quantize_blocks(torch.randn(n, k) * 0.02)
+            x = torch.randn(rows, groups * k).bfloat16()
+            kname = "_gemv_kernel" if rows == 1 else "_gemm_kernel"
+            tiles = fl._gemv_tiles(k) if rows == 1 else fl._gemm_tiles(rows)
+            report(f"linear_fp8 rows={rows} N={n} K={k} groups={groups} tiles={tiles}", fl, kname,
+                   lambda x=x, c=codes, s=scale, g=groups: fl.linear_fp8(x, c, s, g),
+                   num_warps=tiles[2], num_stages=tiles[3])
     return 0
 
 
