@@ -34,7 +34,8 @@ from dsv4.errors import InputError
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
-_GEMM_MAX_ROWS = 256
+_GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
@@ -191,7 +192,7 @@ def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
     """(splits, codes per split): K is split while the output tiles alone give fewer than two programs
     per SM and each split keeps at least 4 scale blocks (512 codes). A decode batch's wide-K
     projections (q_a + kv: 24 tiles of 64 x 64 at 64 rows; W_ob: 64) would otherwise leave most SMs
-    idle; the partials' round trip is at most the weight's bytes."""
+    idle; the partials' round trip costs about the weight's bytes at most."""
     splits = 1
     while tiles_mn * splits < 2 * sms and k >= 2 * splits * 512:
         splits *= 2
@@ -199,11 +200,9 @@ def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
 
 
 def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for t rows: few-row tiles for decode batches (the weight read
-    once, many programs), 128 x 128 for prefill chunks (each code tile converted once per 128 rows)."""
-    if t <= 64:
-        return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
-    return (64, 64, 4, 3) if t <= 256 else (128, 128, 8, 3)
+    """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: the fewest rows per tile that hold the batch
+    (each code tile is read once per row tile), 64 x 64 beyond; benchmarks/tune_fp8.py, NOTES #98."""
+    return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
 
 
 def _gemv_tiles(k: int) -> tuple[int, int, int, int]:
