@@ -36,8 +36,9 @@ def main() -> None:
     li = LAYER_INDEX["hca"]
     blk = bench_setup.make_block(cfg, li, DEV, 0)
     comp = blk.compressor
-    mgr = KVCacheManager(cfg, max_requests=1, num_blocks=a.prompt // tpb + 8, device=DEV, kv_format="fp8_ds",
-                         indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=a.chunk)
+    def fresh_manager() -> KVCacheManager:      # one per variant: the same blocks for the prompt in each
+        return KVCacheManager(cfg, max_requests=1, num_blocks=a.prompt // tpb + 8, device=DEV, kv_format="fp8_ds",
+                              indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=a.chunk)
     ops = ops_for(DEV, "triton")
     with torch.no_grad():
         x = torch.randn(a.prompt, cfg.hidden_size, device=DEV).to(torch.bfloat16)
@@ -55,14 +56,16 @@ def main() -> None:
                                                 plan=h.batch.compress_plans.get((comp.ratio, False)))
         h.flush_entries(entries, req, idx, fin)
 
-    def fused(**tiles):
+    def fused(finish=fin, **tiles):
         def go(h, c, z):
             b, sch = h.batch, h.schema
             cf.compress_flush(c, z, h.state.comp_state, b.request_slots, b.start_positions_host, b.query_lens_host,
                               comp.ratio, False, h.paged.kv, sch.kv_format, b.block_table, sch.entries_per_block,
-                              z_bias=comp.position_bias, plan=b.compress_plans.get((comp.ratio, False)), finish=fin,
-                              **tiles)
+                              z_bias=comp.position_bias, plan=b.compress_plans.get((comp.ratio, False)),
+                              finish=finish, **tiles)
         return go
+
+    mgr = fresh_manager()
 
     def one_prompt(fn, region):
         if "p" in mgr.requests:
@@ -77,15 +80,17 @@ def main() -> None:
             t0 += n
 
     def snapshot():                                 # the layer's pages and state after the prompt
-        return mgr.paged[li].kv_pages.clone(), mgr.states[li].comp_state.clone()
+        return mgr.paged[li].kv_pages[1:].clone(), mgr.states[li].comp_state.clone()   # not the null block
 
-    variants = [("two kernels", two_kernels), ("fused default", fused())]
-    for tok, bd, w in ((8, 512, 4), (16, 512, 8), (16, 256, 4), (16, 128, 4), (32, 256, 8), (32, 128, 4),
-                       (8, 256, 2), (16, 64, 2), (64, 128, 8)):
-        variants.append((f"fused tok={tok} block_d={bd} warps={w}", fused(tok=tok, block_d=bd, num_warps=w)))
+    variants = [("two kernels", two_kernels), ("fused default", fused()), ("fused default, no finish", fused(None))]
+    for tok, rows, bd, w in ((16, 8, 512, 2), (32, 4, 512, 2), (32, 8, 512, 2), (8, 8, 512, 2), (16, 4, 256, 1),
+                             (16, 8, 256, 1), (32, 8, 256, 1), (16, 4, 512, 4), (64, 8, 512, 2)):
+        variants.append((f"fused tok={tok} rows={rows} block_d={bd} warps={w}",
+                         fused(tok=tok, rows=rows, block_d=bd, num_warps=w)))
     ref = None
     print(f"{'variant':<40} {'µs':>8} {'c, z read':>13}  check (against the first row)")
     for name, fn in variants:
+        mgr = fresh_manager()
         t = timer.time_regions(lambda region, fn=fn: one_prompt(fn, region))
         one_prompt(fn, lambda f: f())
         got = snapshot()

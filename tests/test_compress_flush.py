@@ -58,9 +58,10 @@ def _run(fmt: EntryFormat, ratio: int, steps: list[tuple[tuple[int, ...], tuple[
     nreq = len(steps[0][0])
     slots = torch.randperm(nreq + 2, generator=g)[:nreq].to(DEVICE)
     st = _state(nreq + 2, d, g)
-    blocks = 4 + nreq * 40
-    table = (torch.randperm(blocks - 1, generator=g)[:nreq * 12].view(nreq, 12) + 1).int().to(DEVICE)
-    table[0, 5] = -1                                           # an unallocated block: its entries go to the null row
+    cols = max(p0 + n for st_, ln in steps for p0, n in zip(st_, ln)) // ratio // EPB + 1
+    blocks = 4 + nreq * (cols + 2)
+    table = (torch.randperm(blocks - 1, generator=g)[:nreq * cols].view(nreq, cols) + 1).int().to(DEVICE)
+    table[0, min(5, cols - 1)] = -1                # an unallocated block: its entries go to the null row
     poison = torch.randint(0, 256, (blocks, fmt.page_bytes(EPB)), dtype=torch.uint8, generator=g).to(DEVICE)
     fin = _finish(fmt, ratio, g) if finish else None
     zb = torch.randn(ratio, d, generator=g).to(DEVICE) if bias else None
@@ -77,8 +78,9 @@ def _run(fmt: EntryFormat, ratio: int, steps: list[tuple[tuple[int, ...], tuple[
         torch.testing.assert_close(s_tri[ok], s_ref[ok], rtol=1e-5, atol=1e-5)
         rows = _touched(fmt, p_ref, poison)
         assert torch.equal(rows, _touched(fmt, p_tri, poison)), "the ops wrote different rows"
+        rows[0, 0] = False          # the null row: padding lands there in any order (never read)
         if fmt.name != "fp32":
-            assert (p_ref != p_tri).float().mean().item() < 0.02
+            assert (p_ref[1:] != p_tri[1:]).float().mean().item() < 0.02
         blk, row = rows.nonzero(as_tuple=True)
         want = ref_cache.read_rows(fmt.views(p_ref, EPB), fmt, blk, row)
         got = ref_cache.read_rows(fmt.views(p_tri, EPB), fmt, blk, row)
