@@ -83,10 +83,10 @@ def main() -> None:
         return mgr.paged[li].kv_pages[1:].clone(), mgr.states[li].comp_state.clone()   # not the null block
 
     variants = [("two kernels", two_kernels), ("fused default", fused()), ("fused default, no finish", fused(None))]
-    for tok, rows, bd, w in ((16, 8, 512, 2), (32, 4, 512, 2), (32, 8, 512, 2), (8, 8, 512, 2), (16, 4, 256, 1),
-                             (16, 8, 256, 1), (32, 8, 256, 1), (16, 4, 512, 4), (64, 8, 512, 2)):
-        variants.append((f"fused tok={tok} rows={rows} block_d={bd} warps={w}",
-                         fused(tok=tok, rows=rows, block_d=bd, num_warps=w)))
+    for tok, rows, bd, w, reg in ((16, 4, 512, 2, 128), (16, 4, 512, 2, 96), (16, 8, 512, 2, 128), (8, 8, 512, 2, 128),
+                                  (32, 4, 512, 2, 128), (16, 4, 256, 1, 128), (8, 4, 512, 2, 96)):
+        variants.append((f"fused tok={tok} rows={rows} block_d={bd} warps={w} maxnreg={reg}",
+                         fused(tok=tok, rows=rows, block_d=bd, num_warps=w, maxnreg=reg)))
     ref = None
     print(f"{'variant':<40} {'µs':>8} {'c, z read':>13}  check (against the first row)")
     for name, fn in variants:

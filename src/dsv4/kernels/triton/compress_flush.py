@@ -220,7 +220,8 @@ def compress_flush(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reques
                    views: cache_ops.Views, fmt: EntryFormat, block_table: torch.Tensor, epb: int, *,
                    z_bias: torch.Tensor | None = None, plan: CompressPlan | None = None,
                    finish: EntryFinish | None = None, tok: int | None = None, rows: int | None = None,
-                   block_d: int | None = None, num_warps: int | None = None, single: bool = True) -> None:
+                   block_d: int | None = None, num_warps: int | None = None, maxnreg: int | None = None,
+                   single: bool = True) -> None:
     """`compress_update` and `write_entries` of the entries it finishes, as one op (same
     arguments as the two; reference twin `dsv4.kernels.reference.compress.compress_flush`).
     One-window compressors run the fused kernel; two-window ones (overlap, CSA) the two kernels.
@@ -275,7 +276,7 @@ def compress_flush(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reques
         RATIO=ratio, TOK=tok, ROWS=rows, SPLITS=splits, BLOCK_D=block_d, B_PAD=triton.next_power_of_2(max(bsz, 2)),
         SINGLE=bsz == 1 and single, WIDE=max(c.shape[0] * c.stride(0), z.shape[0] * z.stride(0)) >= 2**31,
         BIAS=z_bias is not None, **cache_ops._format_meta(fmt), FINISH=finish is not None, HALF_R=half_r,
-        num_warps=warps)
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 __all__ = ["compress_flush"]
