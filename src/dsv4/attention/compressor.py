@@ -73,8 +73,7 @@ def compress_and_flush(comp: Compressor, proj: dict[str, torch.Tensor], batch: F
     cache write (kv_norm and RoPE applied by the writes: `layer_finishers`). On CUDA the indexer's
     compressor and key write run as one chain on the side stream beside the main chain (the key
     write takes the rows of the indexer's own compressor, so it waits for nothing on the main
-    stream), joined before this returns. The main chain is one op (`ops.compress_flush`): HCA's
-    compressor writes the entries it finishes from the same kernel.
+    stream), joined before this returns.
 
     Args:
         proj: the layer's projections of x (c, z; CSA also ic, iz); cache: the layer's handle for
@@ -90,7 +89,8 @@ def compress_and_flush(comp: Compressor, proj: dict[str, torch.Tensor], batch: F
         with on(side):       # independent inputs, state and cache region
             keys, kreq, kidx = comp.indexer.update(proj["ic"], proj["iz"], batch, st.idx_state, ops)
             cache.flush_indexer_keys(keys, kreq, kidx, fin_idx)
-    cache.compress_entries(proj["c"], proj["z"], comp.ratio, comp.overlap, comp.position_bias, fin_main)
+    entries, req, idx = comp.update(proj["c"], proj["z"], batch, st.comp_state, ops)
+    cache.flush_entries(entries, req, idx, fin_main)
     if side is not None:
         main.wait_stream(side)
 

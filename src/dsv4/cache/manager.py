@@ -152,7 +152,7 @@ class KVCacheManager:
             "entries": torch.zeros(len(self._ratios), r, **i32, pin_memory=pin),
             # the prefill compressor's launch table per compressor kind (ratio, overlap): planned
             # once per forward here, read by every layer's compressors of that kind
-            "compress": torch.zeros(len(self._kinds), 8 * r + 2, **i32, pin_memory=pin),
+            "compress": torch.zeros(len(self._kinds), 7 * r + 1, **i32, pin_memory=pin),
         }
         self._dev = {k: torch.empty_like(v, device=self.device) for k, v in self._host.items()}
         # The host->device copies are asynchronous: the next step may only rewrite the pinned host
@@ -241,12 +241,12 @@ class KVCacheManager:
 
     def _compress_plans(self, starts: tuple[int, ...], qlens: tuple[int, ...]) -> dict[tuple[int, bool], CompressPlan]:
         """Each compressor kind's launch table, copied with the batch (one copy for all kinds)."""
-        h, d, n = self._host["compress"], self._dev["compress"], 8 * len(qlens) + 2
+        h, d, n = self._host["compress"], self._dev["compress"], 7 * len(qlens) + 1
         sizes = []
         for i, (ratio, overlap) in enumerate(self._kinds):
-            ints, n_mid, n_fin, n_seg = plan_ints(starts, qlens, ratio, overlap)
+            ints, n_mid, n_fin = plan_ints(starts, qlens, ratio, overlap)
             h[i, :n] = torch.tensor(ints, dtype=torch.int32)
-            sizes.append((n_mid, n_fin, n_seg))
+            sizes.append((n_mid, n_fin))
         d[:, :n].copy_(h[:, :n], non_blocking=True)
         return {(ratio, overlap): CompressPlan(ratio, overlap, starts, qlens, d[i, :n], *sizes[i])
                 for i, (ratio, overlap) in enumerate(self._kinds)}

@@ -10,10 +10,8 @@ Request b (new tokens at positions [p0, p0 + n)) touches entries first = p0//m .
 (end = (p0+n)//m, npend = 2 with overlap, else 1), one segment each; those below `end` finish and
 are rows fin_base[b] + (w - first) of the kernel's `entries`; its tokens start at row tok0[b] of
 c and z. Its first and last npend segments go to its boundary program; the ones between (middle
-segments) are numbered from mid_base[b]. Every segment of the batch, in (request, w) order, is
-numbered from seg_base[b] (the fused compress-and-write kernel, `kernels.triton.compress_flush`,
-takes one segment per program group). Table rows: mid_base (B + 1 values), first, end, fin_base,
-tok0, p0, p1, seg_base (B + 1 values): 8 B + 2 int32.
+segments) are numbered from mid_base[b]. Table rows: mid_base (B + 1 values), first, end,
+fin_base, tok0, p0, p1: 7 B + 1 int32.
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ class CompressPlan:
     overlap: bool
     start_positions: tuple[int, ...]     # what the table was planned from (checked at launch)
     query_lens: tuple[int, ...]
-    table: torch.Tensor                  # [8 B + 2] int32
+    table: torch.Tensor                  # [7 B + 1] int32
     num_middle: int                      # middle segments (programs are cut from them)
     num_finished: int                    # entries this step finishes (rows of `entries`)
-    num_segments: int                    # (request, entry) pairs the step touches
 
     def matches(self, start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int,
                 overlap: bool) -> bool:
@@ -43,10 +40,10 @@ class CompressPlan:
 
 
 def plan_ints(start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool
-              ) -> tuple[list[int], int, int, int]:
-    """The table's ints (8 B + 2), the number of middle segments, of finished entries and of segments."""
+              ) -> tuple[list[int], int, int]:
+    """The table's ints (7 B + 1), the number of middle segments and of finished entries."""
     npend = 2 if overlap else 1
-    mid_base, first, end, fin_base, tok0, p1, seg_base = [0], [], [], [], [], [], [0]
+    mid_base, first, end, fin_base, tok0, p1 = [0], [], [], [], [], []
     nfin = ntok = 0
     for p0, n in zip(start_positions, query_lens):
         f, e = p0 // ratio, (p0 + n) // ratio
@@ -56,17 +53,15 @@ def plan_ints(start_positions: tuple[int, ...], query_lens: tuple[int, ...], rat
         tok0.append(ntok)
         p1.append(p0 + n)
         mid_base.append(mid_base[-1] + max(e - f - npend, 0))          # nseg = e + npend - f, minus 2 npend
-        seg_base.append(seg_base[-1] + e + npend - f)
         nfin += e - f
         ntok += n
-    ints = mid_base + first + end + fin_base + tok0 + list(start_positions) + p1 + seg_base
-    return ints, mid_base[-1], nfin, seg_base[-1]
+    return mid_base + first + end + fin_base + tok0 + list(start_positions) + p1, mid_base[-1], nfin
 
 
 def make_plan(start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
               device: torch.device | str) -> CompressPlan:
     """A plan with its own table copy (one pinned asynchronous host-to-device copy on CUDA)."""
-    ints, n_mid, n_fin, n_seg = plan_ints(start_positions, query_lens, ratio, overlap)
+    ints, n_mid, n_fin = plan_ints(start_positions, query_lens, ratio, overlap)
     dev = torch.device(device)
     table = torch.tensor(ints, dtype=torch.int32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-    return CompressPlan(ratio, overlap, tuple(start_positions), tuple(query_lens), table, n_mid, n_fin, n_seg)
+    return CompressPlan(ratio, overlap, tuple(start_positions), tuple(query_lens), table, n_mid, n_fin)

@@ -2,10 +2,9 @@
 
 Both namespaces export the same functions with the same signatures:
 append_window, write_entries, gather_window, gather_entries, gather_all_entries,
-compress_update, compress_flush, compress_decode, paged_indexer_scores, topk_smaller_index,
-prefill_indexer_topk, norm_rope, rope_cos_sin, decode_attention, prefill_attention, linear and
-linear_fp8 (the layer's projections: dense and FP8 block weights). `auto` picks Triton on CUDA
-when Triton is importable, else the reference.
+compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, prefill_indexer_topk, norm_rope,
+rope_cos_sin, decode_attention, prefill_attention, linear and linear_fp8 (the layer's projections:
+dense and FP8 block weights). `auto` picks Triton on CUDA when Triton is importable, else the reference.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ def _reference() -> types.SimpleNamespace:
     from dsv4.kernels.reference import attention, cache_ops, compress, decode, indexer, linear, norm_rope
     return types.SimpleNamespace(
         name="reference", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
-        compress_update=compress.compress_update, compress_flush=compress.compress_flush,
-        gather_window=cache_ops.gather_window,
+        compress_update=compress.compress_update, gather_window=cache_ops.gather_window,
         gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,

@@ -120,24 +120,34 @@ def _finish_math(xn, even, odd, wn, we, wo, inv_f, out_row, eps, w, RATIO, D: tl
 
 
 @triton.jit
-def _store_entry(x_row, xs, req, idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
-                 r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_row, w_ptr, inv_ptr, eps, RATIO,
-                 FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-                 SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr,
-                 HSCALE: tl.constexpr, FINISH: tl.constexpr, HALF_R: tl.constexpr):
-    """Entry row x_row (element stride xs) of request req, entry number idx, into (block_table[req,
-    idx // epb], idx % epb), or the null row (0, 0) (the reference's `_locate`). FINISH: the row
-    is a raw compressor entry; its finished form (norm, RoPE) goes to fin_row first and is encoded
-    from there (L2-resident). req, idx: int64 scalars."""
+def _write_entries_kernel(
+        x_ptr, x_s0, x_s1, ereq_ptr, eidx_ptr, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
+        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr, w_ptr, inv_ptr, eps, RATIO,
+        FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
+        FINISH: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
+    """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
+    (the reference's `_locate`). FINISH: row i is a raw compressor entry; its finished form (norm,
+    RoPE) goes to fin_ptr's row i first and is encoded from there (L2-resident). PDL: launched
+    with programmatic dependent launch (`pdl`): the launch is set up while the kernel before it
+    (the compressor that made the rows) runs, and the programs wait for its results here, before
+    any load or store."""
+    if PDL:
+        gdc_wait()
+    i = tl.program_id(0)
+    req = tl.load(ereq_ptr + i).to(tl.int64)
+    idx = tl.load(eidx_ptr + i).to(tl.int64)
+    x_row, xs = x_ptr + i.to(tl.int64) * x_s0, x_s1
     if FINISH:      # the row's loads first: they need no index
-        xn, even, odd, wn, we, wo, inv_f = _finish_loads(x_row, xs, w_ptr, inv_ptr, D, HALF_R)
+        xn, even, odd, wn, we, wo, inv_f = _finish_loads(x_row, x_s1, w_ptr, inv_ptr, D, HALF_R)
     # the destination while the row is in flight (after the finish, its barrier held it back: one
     # more L2 round trip on the row's chain)
     e = tl.maximum(idx, 0)
     col = e // epb
     block = tl.load(bt_ptr + req * bt_s0 + tl.minimum(col, bt_cols - 1) * bt_s1).to(tl.int64)
     if FINISH:
-        x_row = _finish_math(xn, even, odd, wn, we, wo, inv_f, fin_row, eps, idx, RATIO, D, HALF_R)
+        x_row = _finish_math(xn, even, odd, wn, we, wo, inv_f, fin_ptr + i.to(tl.int64) * D, eps, idx, RATIO, D,
+                             HALF_R)
         xs = 1
     ok = (idx >= 0) & (col < bt_cols) & (block >= 0)           # past the table: padding as well
     page = tl.where(ok, block, 0)
@@ -145,26 +155,6 @@ def _store_entry(x_row, xs, req, idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
     _encode_row(x_row, xs, r0 + page * r0_s0 + row * r0_s1,
                 r1 + page * r1_s0 + row * r1_s1, r2 + page * r2_s0 + row * r2_s1, 1,
                 FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE)
-
-
-@triton.jit
-def _write_entries_kernel(
-        x_ptr, x_s0, x_s1, ereq_ptr, eidx_ptr, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
-        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr, w_ptr, inv_ptr, eps, RATIO,
-        FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
-        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
-        FINISH: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
-    """Program i: entry row i (`_store_entry`). PDL: launched with programmatic dependent launch
-    (`pdl`): the launch is set up while the kernel before it (the compressor that made the rows)
-    runs, and the programs wait for its results here, before any load or store."""
-    if PDL:
-        gdc_wait()
-    i = tl.program_id(0)
-    req = tl.load(ereq_ptr + i).to(tl.int64)
-    idx = tl.load(eidx_ptr + i).to(tl.int64)
-    _store_entry(x_ptr + i.to(tl.int64) * x_s0, x_s1, req, idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
-                 r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr,
-                 eps, RATIO, FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE, FINISH, HALF_R)
 
 
 @triton.jit
