@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsv4.bench import setup as bench_setup
 from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.bench.timing import _flush_buffer
 from dsv4.cache.manager import KVCacheManager
 from dsv4.kernels.dispatch import ops_for
 
@@ -65,27 +66,31 @@ def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5, timeline: bo
 
 
 def print_timeline(title: str, fn: Callable[[], Any]) -> None:
-    """One step as the bench times it (L2 flushed, the step queued behind a spin kernel so its
-    launches run back to back): every kernel's start after the first one's, its duration, and
-    the idle gap before it (on any stream)."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    """One step as the bench times it (`bench.timing.Timer`: the L2 flushed by a 256 MB read, which
+    leaves it clean, then the step queued behind a spin kernel so its launches run back to back):
+    every kernel's start after the spin's end, its duration, and the idle gap before it (on any
+    stream). A flush by a write (this tool's first form) leaves the L2 full of dirty lines that the
+    step's first reads must write back: H100, HCA 8K chunk, compressor 12.3 µs after it."""
+    flush = _flush_buffer(DEV)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        flush.zero_()
+        flush.sum()
         torch.cuda._sleep(20_000_000)          # ~10 ms: the step's launches queue up behind it
         fn()
         torch.cuda.synchronize()
     ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start)[2:]          # not the flush and the spin
+                key=lambda e: e.time_range.start)
+    spin = max((i for i, e in enumerate(ev) if "sleep" in e.name.lower() or "spin" in e.name.lower()), default=1)
+    t0 = busy_end = ev[spin].time_range.end if ev else 0.0
+    ev = ev[spin + 1:]
     if not ev:
         return
-    t0, busy_end = ev[0].time_range.start, ev[0].time_range.start
-    print(f"\n## timeline: {title} (L2 flushed; start, duration, idle before, µs)")
+    print(f"\n## timeline: {title} (L2 flushed by a read; start after the spin, duration, idle before, µs)")
     for e in ev:
         s, d = e.time_range.start - t0, e.time_range.end - e.time_range.start
         idle = max(0.0, e.time_range.start - busy_end)
         busy_end = max(busy_end, e.time_range.end)
         print(f"{s:9.1f} {d:8.1f} {idle:7.1f}  {e.name[:80]}")
-    print(f"span {busy_end - t0:.1f} µs")
+    print(f"span {busy_end - t0:.1f} µs after the spin")
 
 
 def main() -> None:
