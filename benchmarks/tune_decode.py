@@ -48,9 +48,9 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
     """--focus: the defaults against the runners-up of the first sweep (benchmarks/NOTES.md)."""
     small = batch <= 16
     if section == "topk":
-        return [{}, dict(digit=4), dict(digit=6), dict(chunk=8192), dict(chunk=8192, num_warps=32),
-                dict(num_warps=8), dict(num_warps=32), dict(chunk=2048), dict(num_warps=4),
-                dict(num_warps=4, chunk=8192), dict(num_warps=16)]
+        return [{}, dict(chunk=4096), dict(groups=1024), dict(groups=4096), dict(num_warps=8),
+                dict(num_warps=32), dict(digit=4), dict(digit=6), dict(block=2048), dict(block=8192),
+                dict(chunk=8192), dict(chunk=2048)]
     if section == "scores":
         return [{}, dict(precision="bf16x2", num_warps=8), dict(precision="bf16x2", block_n=128),
                 dict(precision="bf16x2", num_programs=128 if small else 4), dict(precision="bf16"),
@@ -74,12 +74,27 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
     return out
 
 
+def filter_candidates(scores: torch.Tensor, k: int, groups: int) -> str:
+    """Min / mean / max per row of the scores at or above the k-th largest of `groups` group maxima
+    (the top-k filter's candidates, computed here in torch, -inf left out as the kernel does)."""
+    n = scores.shape[1]
+    gs = 1 << (max(1, -(-n // groups)) - 1).bit_length()
+    pad = torch.full((scores.shape[0], -(-n // gs) * gs - n), float("-inf"), device=scores.device)
+    gmax = torch.cat([scores, pad], 1).view(scores.shape[0], -1, gs).amax(2)
+    t = gmax.topk(min(k, gmax.shape[1]), 1).values[:, -1:]
+    c = ((scores >= t) & (scores > float("-inf"))).sum(1).float()
+    return f"{c.min().item():.0f} / {c.mean().item():.0f} / {c.max().item():.0f} (group {gs})"
+
+
 def indexer_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep: bool, only: str | None,
                      scores: torch.Tensor, want_top: torch.Tensor, idx: Any, sargs: tuple, base: torch.Tensor) -> None:
     """The top-k variants on the given scores, then (unless only top-k) the indexer scores variants."""
     attempt("topk", case, "torch int64 packed (reference, before)", lambda: ref.topk_smaller_index(scores, idx.topk),
             lambda o: None if torch.equal(o, want_top) else "differs")
     attempt("topk", case, "torch fp32 topk (not exact)", lambda: torch.topk(scores, idx.topk, dim=1), lambda o: None)
+    for groups in (1024, 2048, 4096):
+        cands = filter_candidates(scores, idx.topk, groups)
+        print(f"# top-k filter, {groups} group maxima per row: candidates {cands}", flush=True)
     tk_variants: list[dict[str, Any]] = [{}]
     if scan_sweep:
         tk_variants += [dict(chunk=8192), dict(chunk=8192, num_warps=8), dict(chunk=2048),

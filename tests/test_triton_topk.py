@@ -98,6 +98,41 @@ def test_topk_shared_prefix(n, k):
         _check(rows.to(DEVICE), k, chunk=64)
 
 
+@pytest.mark.parametrize("n,k,groups,block", [(300, 16, 64, None), (300, 16, 64, 32), (1000, 64, 256, None),
+                                              (1000, 64, 128, 64), (129, 8, 32, None), (2000, 32, 64, 128)])
+def test_topk_filter(n, k, groups, block):
+    """Group maxima bound the k-th score, the select runs over the scores at or above the bound (one
+    block of candidates, or several with a small block)."""
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block)
+
+
+def _neg_nan(n: int) -> torch.Tensor:
+    """NaNs with the sign bit set: their keys sort below -inf's (the reference picks them after it)."""
+    return torch.full((n,), -4194304, dtype=torch.int32).view(torch.float32)      # 0xFFC00000
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_topk_filter_hard_rows(block):
+    """Rows the filter finds hard: ascending (k whole groups of candidates, more than a block),
+    fewer than k scores above -inf (a short request's -inf tail; the bound is then -inf and the
+    -inf scores are counted, not kept), negative NaNs below the -inf ones, one value throughout."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 600, 16
+    s = torch.randn(6, n, generator=gen)
+    s[0] = torch.arange(n, dtype=torch.float32)
+    s[1, 10:] = float("-inf")
+    s[2, 10:] = float("-inf")
+    s[2, 100:105] = _neg_nan(5)
+    s[3, :] = _neg_nan(n)
+    s[3, ::50] = float("-inf")
+    s[4, :] = 3.0
+    s[5, 5:] = float("-inf")
+    s[5, -3:] = _neg_nan(3)
+    _check(s.to(DEVICE), k, groups=64, block=block)
+    _check(s.to(DEVICE), 40, groups=128, block=block)
+
+
 def test_topk_special_values():
     s = torch.tensor([[0.0, -0.0, 0.0, -0.0, 1.0, float("-inf"), -1.0, float("nan"), 2.0, float("inf")]])
     for k in (1, 4, 10, 13):
@@ -121,9 +156,11 @@ def test_topk_v4_sizes(b, n):
     gen = torch.Generator().manual_seed(b * n)
     rows = _rows(b, n, gen).to(DEVICE)
     ties = (torch.randn(b, n, generator=gen) * 1e-3).round(decimals=3).to(DEVICE)          # dense ties
-    for kw in ({}, {"chunk": 0}, {"chunk": 2048}, {"chunk": 8192, "block": 4096}):
+    ascending = torch.arange(n, device=DEVICE, dtype=torch.float32).repeat(b, 1)    # the filter's worst rows
+    for kw in ({}, {"chunk": 0}, {"chunk": 2048}, {"chunk": 8192, "block": 4096}, {"groups": 1024}):
         _check(rows, 512, **kw)
         _check(ties, 512, **kw)
+        _check(ascending, 512, **kw)
 
 
 @pytest.mark.gpu

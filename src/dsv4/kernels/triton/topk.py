@@ -79,16 +79,51 @@ def _digit_hist(key, valid, thr, hi, shift, NBINS: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
-                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr,
-                 FINAL: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
+def _select_step(h, bins, need, thr, shift):
+    """One select pass from its digit histogram h: the digit d holding the need-th largest of the keys
+    still in play, how many keys above thr | d are still to take, thr with d in place, and whether
+    another pass is needed (the keys of digit d are more than those still to take)."""
+    suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # keys with digit >= bin
+    d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
+    need = need - tl.sum(tl.where(bins > d, h, 0), 0)
+    thr = thr | (d.to(tl.uint32) << shift.to(tl.uint32))
+    go = (shift > 0) & (tl.sum(tl.where(bins == d, h, 0), 0) > need)
+    return need, thr, go
+
+
+@triton.jit
+def _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen):
+    """One block of the collect: its keys above thr (bits above hi) and its first keys equal to it
+    (while fewer than `need` are taken) written as indices at their slots in the output row. One scan
+    of (above << 16 | equal) over the [rows, ROW] block places both kinds (counts < 2^16: blocks of
+    at most 32768)."""
+    k_hi = k >> hi.to(tl.uint32)
+    gt = (m & (k_hi > t_hi)).to(tl.int32)
+    eq = (m & (k_hi == t_hi)).to(tl.int32)
+    v = (gt << 16) | eq
+    row_tot = tl.sum(v, 1)
+    before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
+    eq_before = eq_seen + (before & 0xFFFF)
+    take = (gt == 1) | ((eq == 1) & (eq_before < need))
+    slot = gt_seen + (before >> 16) + tl.minimum(eq_before, need)
+    tl.store(orow + slot, idx, mask=take)
+    tot = tl.sum(row_tot, 0)
+    return gt_seen + (tot >> 16), eq_seen + (tot & 0xFFFF)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
+                 BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr, FINAL: tl.constexpr,
+                 FILTERED: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
                  PDL: tl.constexpr):
     """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
-    and pads; else the picks in index order (a first stage). A block of elements is a [BLOCK // ROW, ROW]
-    tile, ROW consecutive elements per row: the collect's scan runs along the rows in registers, then
-    over the row totals. PDL: see `pdl_enter`."""
+    and pads; else the picks in index order (a first stage). FILTERED: the candidates of
+    `_filter_kernel`, their count and the row's -inf count at cnt[b, 0:2], its bound at lb[b]. A block
+    of elements is a [BLOCK // ROW, ROW] tile, ROW consecutive elements per row: the collect's scan runs
+    along the rows in registers, then over the row totals. The first block stays in registers across
+    the passes (all of the row when n <= BLOCK); later blocks are re-read. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -99,13 +134,16 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK
         row_e = row + g * CHUNK               # element j of the program is scores[b, g*CHUNK + j]
     else:
         row_e = row
-    n = tl.minimum(N - g * CHUNK, CHUNK)
+    if FILTERED:
+        n = tl.load(cnt_ptr + 2 * b)
+        n_inf = tl.load(cnt_ptr + 2 * b + 1)
+    else:
+        n = tl.minimum(N - g * CHUNK, CHUNK)
+        n_inf = 0
     kk = tl.minimum(K, n)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     valid = offs < n
-    key = tl.zeros([BLOCK // ROW, ROW], tl.uint32)
-    if ONE_BLOCK:
-        key, _ = _load(row_e, irow, offs, valid, INDIRECT)
+    key, _ = _load(row_e, irow, offs, valid, INDIRECT)
 
     # ---- select, most significant digit first: thr collects the kk-th largest key's digits, need
     # counts how many keys sharing thr's bits above `hi` are still to take. It stops once every key
@@ -116,75 +154,54 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK
     thr = tl.zeros([], tl.uint32)
     need = kk
     hi = tl.full([], 32, tl.int32)
-    if INDIRECT and ONE_BLOCK and BOUNDS > 0:
-        # The first stage's chunks with K picks each bound the k-th largest key from below (K keys
-        # of the row are at least their threshold); the largest candidate bounds it from above.
-        # The bits the two bounds share are the k-th key's, and no candidate lies above them: the
-        # select starts below them with nothing taken yet
+    if INDIRECT and BOUNDS > 0:
+        # The first stage's chunks with K picks each (or the filter's K group maxima) bound the k-th
+        # largest key from below (K keys of the row are at least their threshold); the largest
+        # candidate bounds it from above. The bits the two bounds share are the k-th key's, and no
+        # candidate lies above them: the select starts below them with nothing taken yet (when the
+        # candidates fit one block: `top` is the first block's)
         c = tl.arange(0, BOUNDS)
         lo = tl.max(tl.load(lb_ptr + b * NB + c, mask=c < NB, other=0).to(tl.uint32, bitcast=True), 0)
         top = tl.max(tl.max(tl.where(valid, key, 0), 1), 0)
         diff = lo ^ top
         # bits below and at diff's highest set bit: from its float exponent, which may round up
         # (hi one too high is still correct)
-        hi = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126)
-        hi = tl.minimum(hi, 32)
-        hs = (tl.maximum(hi, 1) - 1).to(tl.uint32)
-        thr = tl.where(hi == 0, top, (((top >> hs) >> 1) << hs) << 1)
+        hb = tl.where(diff == 0, 0, ((diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126)
+        hb = tl.minimum(hb, 32)
+        hs = (tl.maximum(hb, 1) - 1).to(tl.uint32)
+        one = n <= BLOCK
+        hi = tl.where(one, hb, hi)
+        thr = tl.where(one, tl.where(hb == 0, top, (((top >> hs) >> 1) << hs) << 1), thr)
     go = (need > 0) & (hi > 0)
     while go:
         shift = tl.maximum(hi - DIGIT, 0)
-        if ONE_BLOCK:
-            h = _digit_hist(key, valid, thr, hi, shift, NBINS, BLOCK)
-        else:
-            h = tl.zeros([NBINS], tl.int32)
-            for start in range(0, n, BLOCK):
-                o = start + offs
-                m = o < n
-                k, _ = _load(row_e, irow, o, m, INDIRECT)
-                h += _digit_hist(k, m, thr, hi, shift, NBINS, BLOCK)
-        suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # keys with digit >= bin
-        d = tl.sum((suffix >= need).to(tl.int32), 0) - 1
-        need = need - tl.sum(tl.where(bins > d, h, 0), 0)
-        thr = thr | (d.to(tl.uint32) << shift.to(tl.uint32))
-        go = (shift > 0) & (tl.sum(tl.where(bins == d, h, 0), 0) > need)
+        h = _digit_hist(key, valid, thr, hi, shift, NBINS, BLOCK)
+        for start in range(BLOCK, n, BLOCK):
+            o = start + offs
+            m = o < n
+            k, _ = _load(row_e, irow, o, m, INDIRECT)
+            h += _digit_hist(k, m, thr, hi, shift, NBINS, BLOCK)
+        need, thr, go = _select_step(h, bins, need, thr, shift)
         hi = shift
     if BOUNDS > 0 and not INDIRECT:     # a first stage's bound for the second (0: none, the least key)
         tl.store(lb_ptr + b * NB + g, tl.where(kk == K, thr, 0).to(tl.int32, bitcast=True))
 
-    # ---- collect: keys above thr (bits above hi), then the first `need` keys equal to it by position.
-    # One scan of (above << 16 | equal) places both: a pick's slot is the keys above before it plus
-    # the equal ones taken before it (positions follow the original indices: rows directly,
-    # candidates chunk by chunk in that order; counts < 2^16 as BLOCK <= 32768)
+    # ---- collect: keys above thr (bits above hi), then the first `need` keys equal to it by position
+    # (positions follow the original indices: rows directly, candidates in their stored order)
     t_hi = thr >> hi.to(tl.uint32)
-    gt_seen = tl.zeros([], tl.int32)
-    eq_seen = tl.zeros([], tl.int32)
-    for start in range(0, n, BLOCK):
+    if INDIRECT:
+        idx = tl.load(irow + offs, mask=valid, other=0)
+    else:
+        idx = offs.to(tl.int64) + g * CHUNK
+    gt_seen, eq_seen = _collect_block(orow, key, idx, valid, t_hi, hi, need, tl.zeros([], tl.int32),
+                                      tl.zeros([], tl.int32))
+    for start in range(BLOCK, n, BLOCK):
         o = start + offs
         m = o < n
-        if ONE_BLOCK:
-            k = key
-            if INDIRECT:
-                idx = tl.load(irow + o, mask=m, other=0)
-            else:
-                idx = o.to(tl.int64)
-        else:
-            k, idx = _load(row_e, irow, o, m, INDIRECT)
+        k, idx = _load(row_e, irow, o, m, INDIRECT)
         if not INDIRECT:
             idx = idx + g * CHUNK
-        k_hi = k >> hi.to(tl.uint32)
-        gt = (m & (k_hi > t_hi)).to(tl.int32)
-        eq = (m & (k_hi == t_hi)).to(tl.int32)
-        v = (gt << 16) | eq
-        row_tot = tl.sum(v, 1)
-        before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
-        eq_before = eq_seen + (before & 0xFFFF)
-        take = (gt == 1) | ((eq == 1) & (eq_before < need))
-        slot = gt_seen + (before >> 16) + tl.minimum(eq_before, need)
-        tl.store(orow + slot, idx, mask=take)
-        tot = tl.sum(row_tot, 0)
-        gt_seen += tot >> 16
-        eq_seen += tot & 0xFFFF
+        gt_seen, eq_seen = _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen)
 
     # ---- sort the picks in the reference's packed order, descending (FINAL only: a first stage's picks
     # stay in index order, which is what the second stage's tie rule needs)
@@ -199,19 +216,88 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, s_row, i_row, o_row, N, K, CHUNK
         packed = tl.sort(packed, descending=True)
         sk = (packed >> 32).to(tl.int32)
         si = 2147483647 - (packed & 0xFFFFFFFF)
-        si = tl.where((j < kk) & (sk != -2139095041), si, -1)
+        si = tl.where(jm & (sk != -2139095041), si, -1)
         tl.debug_barrier()      # every thread has read the picks before any overwrites them
-        tl.store(orow + j, si, mask=j < K)
+        if FILTERED:
+            # -inf scores are not candidates: the reference has them (as -1) after the picks above
+            # -inf and before any below it (negative NaNs)
+            low = jm & (sk < -2139095041)
+            n_top = tl.sum((jm & ~low).to(tl.int32), 0)
+            pos = tl.where(low, j + n_inf, j)
+            tl.store(orow + pos, si, mask=jm & (pos < K))
+            fill = ((j >= n_top) & (j < n_top + n_inf)) | (j >= kk + n_inf)
+            tl.store(orow + j, tl.full([K_PAD], -1, tl.int64), mask=fill & (j < K))
+        else:
+            tl.store(orow + j, si, mask=j < K)
+
+
+@triton.jit
+def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, K,
+                   NG: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+                   DIGIT: tl.constexpr, PDL: tl.constexpr):
+    """Program b: row b's candidates, the scores at or above a lower bound T of its K-th largest score.
+    The row is split into cdiv(N, G) >= K groups of G consecutive scores; T is the K-th largest group
+    maximum (its bits down to where the select could stop): K groups hold a score >= T, so every
+    top-K score is >= T. The candidates' indices go to cand[b] in index order (-inf scores left out
+    and counted instead), their count and the -inf count to cnt[b, 0:2], T to lb[b]. PDL: see
+    `pdl_enter`."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    row = s_ptr + b * s_row
+    crow = cand_ptr + b * c_row
+    gi = tl.arange(0, NG)[:, None]
+    gmax = tl.zeros([NG], tl.uint32)
+    for c0 in range(0, G, GS):
+        o = gi * G + c0 + tl.arange(0, GS)[None, :]
+        m = o < N
+        k = _ukeys(tl.load(row + o, mask=m, other=0.0))
+        gmax = tl.maximum(gmax, tl.max(tl.where(m, k, 0), 1))
+    gvalid = tl.arange(0, NG) * G < N
+
+    NBINS: tl.constexpr = 1 << DIGIT
+    bins = tl.arange(0, NBINS)
+    thr = tl.zeros([], tl.uint32)
+    need = K
+    hi = tl.full([], 32, tl.int32)
+    go = need > 0
+    while go:
+        shift = tl.maximum(hi - DIGIT, 0)
+        h = _digit_hist(gmax, gvalid, thr, hi, shift, NBINS, NG)
+        need, thr, go = _select_step(h, bins, need, thr, shift)
+        hi = shift
+    # thr: the K-th largest maximum's bits above hi, zeros below: exactly K maxima are >= it
+
+    neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
+    offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    seen = tl.zeros([], tl.int32)
+    n_inf = tl.zeros([], tl.int32)
+    for start in range(0, N, BLOCK):
+        o = start + offs
+        m = o < N
+        k = _ukeys(tl.load(row + o, mask=m, other=0.0))
+        is_inf = m & (k == neg)
+        v = (m & (k >= thr) & ~is_inf).to(tl.int32)
+        row_tot = tl.sum(v, 1)
+        before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
+        tl.store(crow + seen + before, o, mask=v == 1)
+        seen += tl.sum(row_tot, 0)
+        n_inf += tl.sum(tl.sum(is_inf.to(tl.int32), 1), 0)
+    tl.store(cnt_ptr + 2 * b, seen)
+    tl.store(cnt_ptr + 2 * b + 1, n_inf)
+    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
 
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
-                       chunk: int | None = None, digit: int | None = None) -> torch.Tensor:
+                       chunk: int | None = None, digit: int | None = None, groups: int | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
-    Long rows run in two stages: chunks of `chunk` scores each give their exact top-k (grid B x chunks,
-    the whole GPU busy even at B = 1), then the top-k of those candidates (every global pick is among
-    its chunk's picks; candidates keep index order chunk by chunk, so ties still go to the smaller
-    index). block, num_warps, chunk, digit (bits per select pass): tuning (chunk 0 = always one stage).
+    Long rows on CUDA run through a filter (`groups` group maxima per row, default FILTER_GROUPS x k):
+    the K-th largest maximum bounds the row's K-th score from below, the scores at or above it (about
+    1.15 k on random rows, at most k times the group length) are the candidates, and the exact select
+    runs over those alone. With `chunk` given instead, long rows run in two stages: chunks of `chunk`
+    scores each give their exact top-k (grid B x chunks), then the top-k of those candidates (every
+    global pick is among its chunk's picks; candidates keep index order chunk by chunk, so ties still
+    go to the smaller index); chunk 0 = one stage. block, num_warps, digit (bits per select pass): tuning.
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
@@ -223,6 +309,14 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
         return out.fill_(-1)
     scores = scores.float().contiguous()
     cuda = scores.device.type == "cuda"
+    if groups is None:
+        groups = FILTER_GROUPS * k if cuda and chunk is None and n > 2 * DEFAULT_CHUNK else 0
+    if groups:
+        ng = triton.next_power_of_2(groups)
+        gsize = triton.next_power_of_2(triton.cdiv(n, ng))
+        if triton.cdiv(n, gsize) >= k:      # K groups to bound the K-th score with
+            _filter(scores, out, k, ng, gsize, block, num_warps, cuda, digit)
+            return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
     else:
@@ -239,10 +333,23 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     return out
 
 
-#: chunk length of the first stage on CUDA (rows longer than twice this run in two stages)
+#: chunk length of the two-stage path's first stage (on CUDA, rows longer than twice this are filtered)
 DEFAULT_CHUNK = 4096
+#: group maxima per pick in the filter (4: about 1.15 k candidates on random rows, 2: about 1.4 k)
+FILTER_GROUPS = 4
+#: candidates the filter's select holds in registers (more are re-read per pass)
+FILTER_BLOCK = 4096
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
+
+
+def _warps(num_warps: int | None, cuda: bool, programs: int, blk: int, device: torch.device) -> int:
+    """Few programs (small batch): latency-bound, more warps each; many: 8 warps share the SMs."""
+    if num_warps:
+        return num_warps
+    if not cuda:
+        return 4
+    return 16 if blk >= 8192 or programs < sm_count(device) else 8
 
 
 def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: torch.Tensor | None, n: int, k: int,
@@ -252,19 +359,35 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: 
     the second stage reads them (None: one stage)."""
     blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    if num_warps:
-        warps = num_warps
-    elif not cuda:
-        warps = 4
-    else:   # few programs (small batch): latency-bound, more warps each; many: 8 warps share the SMs
-        few = scores.shape[0] * groups < sm_count(scores.device)
-        warps = 16 if blk >= 8192 or few else 8
     nb = bounds.shape[1] if bounds is not None else 0
     _topk_kernel[(scores.shape[0], groups)](
-        scores, idx, out, bounds if bounds is not None else out, scores.stride(0), idx.stride(0), out.stride(0),
-        n, k, chunk, nb, BLOCK=blk, ONE_BLOCK=chunk <= blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
-        FINAL=final, DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=triton.next_power_of_2(nb) if nb else 0,
-        num_warps=warps, **pdl_launch(scores.device))
+        scores, idx, out, bounds if bounds is not None else out, out, scores.stride(0), idx.stride(0),
+        out.stride(0), n, k, chunk, nb, BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
+        FINAL=final, FILTERED=False, DIGIT=digit or DIGIT, ROW=min(8, blk),
+        BOUNDS=triton.next_power_of_2(nb) if nb else 0,
+        num_warps=_warps(num_warps, cuda, scores.shape[0] * groups, blk, scores.device), **pdl_launch(scores.device))
+
+
+def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, gsize: int, block: int | None,
+            num_warps: int | None, cuda: bool, digit: int | None) -> None:
+    """The filter (ng groups of gsize scores per row), then the exact select over its candidates."""
+    bsz, n = scores.shape
+    dev = scores.device
+    cand = torch.empty(bsz, n, dtype=torch.int32, device=dev)
+    counts = torch.empty(bsz, 2, dtype=torch.int32, device=dev)
+    bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
+    gs = min(gsize, max(1, (32768 if cuda else 4096) // ng))     # group columns per load: <= 32K scores
+    blk = block or min(triton.next_power_of_2(n), 16384 if cuda else 1024)
+    assert blk <= 32768, "the collect packs two counts of one block into an int32"
+    _filter_kernel[(bsz,)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, k, NG=ng, G=gsize,
+                           GS=gs, BLOCK=blk, ROW=min(8, blk), DIGIT=digit or DIGIT,
+                           num_warps=_warps(num_warps, cuda, 0, blk, dev), **pdl_launch(dev))
+    blk = block or (FILTER_BLOCK if cuda else 1024)
+    _topk_kernel[(bsz, 1)](
+        scores, cand, out, bound, counts, scores.stride(0), cand.stride(0), out.stride(0), n, k, 0, 1,
+        BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=True, FINAL=True, FILTERED=True,
+        DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=1, num_warps=_warps(num_warps, cuda, bsz, blk, dev),
+        **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
