@@ -233,26 +233,29 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
 
 @triton.jit
 def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, K,
-                   NG: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                   DIGIT: tl.constexpr, PDL: tl.constexpr):
+                   NG: tl.constexpr, SKEW: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
+                   ROW: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
     """Program b: row b's candidates, the scores at or above a lower bound T of its K-th largest score.
-    The row is split into cdiv(N, G) >= K groups of G consecutive scores; T is the K-th largest group
-    maximum (its bits down to where the select could stop): K groups hold a score >= T, so every
-    top-K score is >= T. The candidates' indices go to cand[b] in index order (-inf scores left out
-    and counted instead), their count and the -inf count to cnt[b, 0:2], T to lb[b]. PDL: see
+
+    The row's scores fall into NG >= K groups: step i reads scores [i*NG, i*NG + NG) (one coalesced
+    block), and score i*NG + p joins group (p + i*SKEW) mod NG. The skew spreads both a periodic row
+    (the same scores every NG or 2 NG: unskewed, a group would hold copies of few values) and a
+    monotone or locally smooth one (neighbours in one group) over many groups. T is the K-th largest
+    group maximum, its bits below the first PASSES select digits cleared: K groups hold a score >= T,
+    so every top-K score is >= T. The candidates' indices go to cand[b] in index order (-inf scores
+    left out and counted instead), their count and the -inf count to cnt[b, 0:2], T to lb[b]. PDL: see
     `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = s_ptr + b * s_row
     crow = cand_ptr + b * c_row
-    gi = tl.arange(0, NG)[:, None]
+    gj = tl.arange(0, NG)
     gmax = tl.zeros([NG], tl.uint32)
-    for c0 in range(0, G, GS):
-        o = gi * G + c0 + tl.arange(0, GS)[None, :]
+    for i in range(0, tl.cdiv(N, NG)):
+        o = i * NG + ((gj - i * SKEW) & (NG - 1))
         m = o < N
-        k = _ukeys(tl.load(row + o, mask=m, other=0.0))
-        gmax = tl.maximum(gmax, tl.max(tl.where(m, k, 0), 1))
-    gvalid = tl.arange(0, NG) * G < N
+        gmax = tl.maximum(gmax, tl.where(m, _ukeys(tl.load(row + o, mask=m, other=0.0)), 0))
+    gvalid = gj < N             # step 0 gives group j score j: every group but those past a short row's end
 
     NBINS: tl.constexpr = 1 << DIGIT
     bins = tl.arange(0, NBINS)
@@ -264,8 +267,9 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, K,
         shift = tl.maximum(hi - DIGIT, 0)
         h = _digit_hist(gmax, gvalid, thr, hi, shift, NBINS, NG)
         need, thr, go = _select_step(h, bins, need, thr, shift)
+        go = go & (shift > 32 - PASSES * DIGIT)      # a few digits bound tightly enough
         hi = shift
-    # thr: the K-th largest maximum's bits above hi, zeros below: exactly K maxima are >= it
+    # thr: the K-th largest maximum's bits above hi, zeros below: at least K maxima are >= it
 
     neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
@@ -291,10 +295,11 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
                        chunk: int | None = None, digit: int | None = None, groups: int | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
-    Long rows on CUDA run through a filter (`groups` group maxima per row, default FILTER_GROUPS x k):
-    the K-th largest maximum bounds the row's K-th score from below, the scores at or above it (about
-    1.15 k on random rows, at most k times the group length) are the candidates, and the exact select
-    runs over those alone. With `chunk` given instead, long rows run in two stages: chunks of `chunk`
+    Long rows of a large batch on CUDA run through a filter (`groups` group maxima per row, default
+    FILTER_GROUPS x k, see `_filter_kernel`): the K-th largest maximum bounds the row's K-th score from
+    below, the scores at or above it (about 1.15 k on random rows; more on rows built to defeat the
+    grouping, all of them at worst, still exact) are the candidates, and the exact select runs over
+    those alone. With `chunk` given instead, long rows run in two stages: chunks of `chunk`
     scores each give their exact top-k (grid B x chunks), then the top-k of those candidates (every
     global pick is among its chunk's picks; candidates keep index order chunk by chunk, so ties still
     go to the smaller index); chunk 0 = one stage. block, num_warps, digit (bits per select pass): tuning.
@@ -310,13 +315,12 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     scores = scores.float().contiguous()
     cuda = scores.device.type == "cuda"
     if groups is None:
-        groups = FILTER_GROUPS * k if cuda and chunk is None and n > 2 * DEFAULT_CHUNK else 0
-    if groups:
-        ng = triton.next_power_of_2(groups)
-        gsize = triton.next_power_of_2(triton.cdiv(n, ng))
-        if triton.cdiv(n, gsize) >= k:      # K groups to bound the K-th score with
-            _filter(scores, out, k, ng, gsize, block, num_warps, cuda, digit)
-            return out
+        groups = FILTER_GROUPS * k if cuda and chunk is None and n > 2 * DEFAULT_CHUNK \
+            and bsz >= FILTER_MIN_ROWS else 0
+    ng = triton.next_power_of_2(groups) if groups else 0
+    if ng >= k and n > ng:          # K groups to bound the K-th score with
+        _filter(scores, out, k, ng, block, num_warps, cuda, digit)
+        return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
     else:
@@ -335,10 +339,15 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
 
 #: chunk length of the two-stage path's first stage (on CUDA, rows longer than twice this are filtered)
 DEFAULT_CHUNK = 4096
-#: group maxima per pick in the filter (4: about 1.15 k candidates on random rows, 2: about 1.4 k)
+#: group maxima per pick in the filter (4: about 1.15 k candidates on random rows)
 FILTER_GROUPS = 4
+#: select digits the filter's bound keeps (3: within about 1% of the k-th group maximum)
+FILTER_PASSES = 3
+#: CUDA rows from which the filter is the default: it runs one latency-bound program per row, the two
+#: stages B x chunks programs, faster while the rows are few (benchmarks/topk_parts.py)
+FILTER_MIN_ROWS = 32
 #: candidates the filter's select holds in registers (more are re-read per pass)
-FILTER_BLOCK = 4096
+FILTER_BLOCK = 1024
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
 
@@ -368,25 +377,24 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: 
         num_warps=_warps(num_warps, cuda, scores.shape[0] * groups, blk, scores.device), **pdl_launch(scores.device))
 
 
-def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, gsize: int, block: int | None,
-            num_warps: int | None, cuda: bool, digit: int | None) -> None:
-    """The filter (ng groups of gsize scores per row), then the exact select over its candidates."""
+def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, block: int | None, num_warps: int | None,
+            cuda: bool, digit: int | None) -> None:
+    """The filter (ng groups per row), then the exact select over its candidates."""
     bsz, n = scores.shape
     dev = scores.device
     cand = torch.empty(bsz, n, dtype=torch.int32, device=dev)
     counts = torch.empty(bsz, 2, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-    gs = min(gsize, max(1, (32768 if cuda else 4096) // ng))     # group columns per load: <= 32K scores
     blk = block or min(triton.next_power_of_2(n), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    _filter_kernel[(bsz,)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, k, NG=ng, G=gsize,
-                           GS=gs, BLOCK=blk, ROW=min(8, blk), DIGIT=digit or DIGIT,
-                           num_warps=_warps(num_warps, cuda, 0, blk, dev), **pdl_launch(dev))
-    blk = block or (FILTER_BLOCK if cuda else 1024)
+    _filter_kernel[(bsz,)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, k, NG=ng,
+                           SKEW=int(0.618 * ng) | 1, PASSES=FILTER_PASSES, BLOCK=blk, ROW=min(32, blk),
+                           DIGIT=digit or DIGIT, num_warps=num_warps or (16 if cuda else 4), **pdl_launch(dev))
+    blk = block or FILTER_BLOCK
     _topk_kernel[(bsz, 1)](
         scores, cand, out, bound, counts, scores.stride(0), cand.stride(0), out.stride(0), n, k, 0, 1,
         BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=True, FINAL=True, FILTERED=True,
-        DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=1, num_warps=_warps(num_warps, cuda, bsz, blk, dev),
+        DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=1, num_warps=num_warps or (8 if cuda else 4),
         **pdl_launch(dev))
 
 

@@ -1,0 +1,110 @@
+"""Per-kernel device time of the decode top-k's paths (CUDA-graph replays, as tune_decode times them).
+
+    python benchmarks/topk_parts.py [--batches 1,4,8,16,32,64] [--n 32768] [--k 512] [--parts]
+
+Paths: the filter (`_filter_kernel`, then the select over its candidates) and the two stages
+(chunks' top-k, then the top-k of their picks), whole per batch size (where the filter's default
+starts: `topk.FILTER_MIN_ROWS`) and, with --parts, each kernel alone on inputs the kernel before
+it wrote, with launch variants. Timed as tune_decode times (L2 flushed before each replay).
+Scores: standard normal, so the filter keeps about 1.15 k candidates per row (tune_decode reports
+the counts on the scan's scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+from tune_common import graph_us
+
+from dsv4.kernels.reference.decode import topk_smaller_index as ref_topk
+from dsv4.kernels.triton import topk as tk
+from dsv4.kernels.triton.decode_common import pdl_launch
+
+
+def filter_parts(s: torch.Tensor, k: int, warps: int, blk: int, row: int, blk2: int, warps2: int
+                 ) -> tuple[float, float, float]:
+    bsz, n = s.shape
+    ng = triton.next_power_of_2(tk.FILTER_GROUPS * k)
+    cand = torch.empty(bsz, n, dtype=torch.int32, device=s.device)
+    counts = torch.empty(bsz, 2, dtype=torch.int32, device=s.device)
+    bound = torch.empty(bsz, 1, dtype=torch.int32, device=s.device)
+    out = torch.empty(bsz, k, dtype=torch.int64, device=s.device)
+
+    def k1():
+        tk._filter_kernel[(bsz,)](s, cand, counts, bound, s.stride(0), cand.stride(0), n, k, NG=ng,
+                                  SKEW=int(0.618 * ng) | 1, PASSES=tk.FILTER_PASSES, BLOCK=blk, ROW=row,
+                                  DIGIT=tk.DIGIT, num_warps=warps, **pdl_launch(s.device))
+
+    def k2():
+        tk._topk_kernel[(bsz, 1)](s, cand, out, bound, counts, s.stride(0), cand.stride(0), out.stride(0), n, k, 0, 1,
+                                  BLOCK=blk2, K_PAD=triton.next_power_of_2(k), INDIRECT=True, FINAL=True,
+                                  FILTERED=True, DIGIT=tk.DIGIT, ROW=8, BOUNDS=1, num_warps=warps2,
+                                  **pdl_launch(s.device))
+
+    def both():
+        k1()
+        k2()
+    both()
+    assert torch.equal(out, ref_topk(s, k)), "filter path differs from the reference"
+    return graph_us(k1), graph_us(k2), graph_us(both)
+
+
+def stage_parts(s: torch.Tensor, k: int) -> tuple[float, float, float]:
+    bsz, n = s.shape
+    ch = tk.DEFAULT_CHUNK
+    g = triton.cdiv(n, ch)
+    cand = torch.empty(bsz, g * k, dtype=torch.int64, device=s.device)
+    bounds = torch.empty(bsz, g, dtype=torch.int32, device=s.device)
+    out = torch.empty(bsz, k, dtype=torch.int64, device=s.device)
+    cuda = True
+    n2 = (g - 1) * k + min(k, n - (g - 1) * ch)
+
+    def s1():
+        tk._launch(s, s, cand, bounds, n, k, ch, g, False, False, None, None, cuda, None)
+
+    def s2():
+        tk._launch(s, cand, out, bounds, n2, k, n2, 1, True, True, None, None, cuda, None)
+
+    def both():
+        s1()
+        s2()
+    both()
+    assert torch.equal(out, ref_topk(s, k)), "two-stage path differs from the reference"
+    return graph_us(s1), graph_us(s2), graph_us(both)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,4,8,16,32,64")
+    p.add_argument("--n", type=int, default=32768)
+    p.add_argument("--k", type=int, default=512)
+    p.add_argument("--parts", action="store_true", help="each kernel alone, with launch variants")
+    a = p.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b in (int(x) for x in a.batches.split(",")):
+        s = torch.randn(b, a.n, device="cuda", generator=gen)
+        two = tk.topk_smaller_index(s, a.k, chunk=tk.DEFAULT_CHUNK)
+        assert torch.equal(two, ref_topk(s, a.k))
+        whole = (graph_us(lambda s=s: tk.topk_smaller_index(s, a.k, chunk=tk.DEFAULT_CHUNK)),
+                 graph_us(lambda s=s: tk.topk_smaller_index(s, a.k, groups=tk.FILTER_GROUPS * a.k)))
+        print(f"B={b} N={a.n} k={a.k}: two stages / filter  " + " / ".join(f"{x:.1f}" for x in whole) + " µs",
+              flush=True)
+        if not a.parts:
+            continue
+        print(f"B={b}: two stages  stage 1 / stage 2 / both  " +
+              " / ".join(f"{x:.1f}" for x in stage_parts(s, a.k)) + " µs", flush=True)
+        for warps, blk, row, blk2, warps2 in ((16, 16384, 32, 1024, 8), (8, 16384, 32, 1024, 8),
+                                              (16, 32768, 32, 1024, 8), (16, 16384, 8, 1024, 8),
+                                              (16, 16384, 32, 2048, 8), (16, 16384, 32, 1024, 16),
+                                              (16, 16384, 32, 512, 4)):
+            r = filter_parts(s, a.k, warps, blk, row, blk2, warps2)
+            print(f"B={b} filter warps {warps:2d} block {blk:5d} row {row:2d} | select block {blk2:4d} warps "
+                  f"{warps2:2d}: filter / select / both  " + " / ".join(f"{x:.1f}" for x in r) + " µs", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
