@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                                               (16, 16384, 32, 2048, 8), (16, 16384, 32, 1024, 16),
                                               (16, 16384, 32, 512, 4)):
             r = filter_parts(s, a.k, warps, blk, row, blk2, warps2)
-            print(f"B={b} filter warps {warps:2d} block {blk:5d} row {row:2d} | select block {blk2:4d} warps "
-                  f"{warps2:2d}: filter / select / both  " + " / ".join(f"{x:.1f}" for x in r) + " µs", flush=True)
+            print(f"B={b} filter warps {warps:2d} block {blk:5d} row {row:2d} | select block {blk2:4d} "
+                  f"warps {warps2:2d}: filter / select / both  " + " / ".join(f"{x:.1f}" for x in r) + " µs",
+                  flush=True)
     return 0
 
 
