@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -44,12 +45,7 @@ def filter_parts(s: torch.Tensor, k: int, warps: int, blk: int, row: int, blk2: 
                                   FILTERED=True, DIGIT=tk.DIGIT, ROW=8, BOUNDS=1, num_warps=warps2,
                                   **pdl_launch(s.device))
 
-    def both():
-        k1()
-        k2()
-    both()
-    assert torch.equal(out, ref_topk(s, k)), "filter path differs from the reference"
-    return graph_us(k1), graph_us(k2), graph_us(both)
+    return _time_pair(k1, k2, out, s, k, "filter")
 
 
 def stage_parts(s: torch.Tensor, k: int) -> tuple[float, float, float]:
@@ -68,12 +64,18 @@ def stage_parts(s: torch.Tensor, k: int) -> tuple[float, float, float]:
     def s2():
         tk._launch(s, cand, out, bounds, n2, k, n2, 1, True, True, None, None, cuda, None)
 
-    def both():
-        s1()
-        s2()
+    return _time_pair(s1, s2, out, s, k, "two-stage")
+
+
+def _time_pair(first: Callable[[], None], second: Callable[[], None], out: torch.Tensor, s: torch.Tensor, k: int,
+               path: str) -> tuple[float, float, float]:
+    """Run both kernels once, check the result against the reference, then time each and the pair."""
+    def both() -> None:
+        first()
+        second()
     both()
-    assert torch.equal(out, ref_topk(s, k)), "two-stage path differs from the reference"
-    return graph_us(s1), graph_us(s2), graph_us(both)
+    assert torch.equal(out, ref_topk(s, k)), f"{path} path differs from the reference"
+    return graph_us(first), graph_us(second), graph_us(both)
 
 
 def main(argv: list[str] | None = None) -> int:
