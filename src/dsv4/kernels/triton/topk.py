@@ -23,13 +23,21 @@ One program per row (grid B), four phases over the row's N scores:
     sort      the min(k, N) picks are reloaded, packed (key << 32 | 2^31 - 1 - index) as the
               reference does, sorted descending by tl.sort, unpacked and written
 
-Rows longer than 2 x 4096 run in two stages (grid B x chunks, then B): each chunk's picks (in
-index order, unsorted) and a lower bound of its k-th key, then the picks among all chunks' picks,
-whose select starts below the bits shared by the largest chunk bound and the largest candidate
-(see topk_smaller_index).
+Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the final select:
 
-Rows up to BLOCK scores are loaded once and kept in registers across the passes; longer rows are
-re-read per pass (from L2 while they fit). No host reads, fixed grid: capturable in a CUDA graph.
+    two stages   (fewer than FILTER_MIN_ROWS rows) grid B x chunks: each 4096-score chunk's exact
+                 picks (in index order, unsorted) and a lower bound of its k-th key; then grid B:
+                 the picks among all chunks' picks, whose select starts below the bits shared by
+                 the largest chunk bound and the largest candidate
+    filter       (more rows) grid B: `_filter_kernel` bounds the row's k-th score from below by the
+                 k-th largest of 4k group maxima and keeps the scores at or above the bound (about
+                 1.15 k on random rows) as candidates; then grid B: the select over those, started
+                 below the bits shared by the bound and the largest candidate. One program per row
+                 whichever the batch, so it pays only once the rows fill the GPU (NOTES, round 24)
+
+The first block of BLOCK elements is loaded once and kept in registers across the passes (all of
+the row when it fits); later blocks are re-read per pass (from L2 while they fit). No host reads,
+fixed grid: capturable in a CUDA graph.
 """
 
 from __future__ import annotations
