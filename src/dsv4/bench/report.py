@@ -206,52 +206,74 @@ def require_matplotlib() -> None:
 
 
 def plot(result: Any, path: str) -> None:
-    """2x2 chart: layer decode µs vs context (CSA, HCA), cache-side % of roofline, prefill µs."""
+    """2x2 chart: layer decode µs vs context (CSA, HCA), cache-side % of roofline, prefill µs.
+
+    Decode panels: colour = implementation (cache-side: layer), marker and line style = batch size
+    (with one context the points have no lines between them, so the marker must tell the batches
+    apart); hollow markers for the FP8-weight layer (it often sits on the BF16 one) and, cache-side,
+    for the reference. Prefill: bars grouped by layer and op, coloured by implementation."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display
 
     rows = [r for r in result.rows if r.status == "ok" and r.us]
     fig = Figure(figsize=(13, 9), layout="constrained")
     axes = fig.subplots(2, 2)
-    color = {"triton": "C0", FP8_IMPL: "C2", "reference": "C1", "hf": "C3"}     # colour: implementation
-    styles = ("-", "--", ":", "-.")                                # line style: batch size
-    batch_style = {b: styles[i % len(styles)] for i, b in enumerate(result.opts.batches)}
+    color = {"triton": "C0", FP8_IMPL: "C2", "reference": "C1", "hf": "C3"}
+    styles, markers = ("-", "--", ":", "-."), ("o", "^", "s", "D", "v", "P")
+    batch_style = {b: (styles[i % len(styles)], markers[i % len(markers)]) for i, b in enumerate(result.opts.batches)}
     for ax, layer in zip(axes[0], ("csa", "hca")):
         for impl in ("triton", FP8_IMPL, "reference", "hf"):
             for b in result.opts.batches:
                 pts = sorted((r.context, r.us) for r in rows if r.kind == "decode" and r.op == "layer"
                              and r.layer == layer and r.impl == impl and r.batch == b)
                 if pts:
-                    ax.plot(*zip(*pts), batch_style[b], color=color[impl], marker="o", label=f"{impl} B={b}")
+                    ls, mk = batch_style[b]
+                    ax.plot(*zip(*pts), ls, color=color[impl], marker=mk, markersize=8 if impl == FP8_IMPL else 6,
+                            markerfacecolor="none" if impl == FP8_IMPL else color[impl], label=f"{impl} B={b}")
         _axes(ax, f"{layer.upper()} layer decode (projections included)", "µs (median)", result.opts.contexts)
     ax = axes[1][0]
-    for layer, marker in (("csa", "o"), ("hca", "s")):
+    for layer, col in (("csa", "C0"), ("hca", "C4")):
         for impl in ("triton", "reference"):
             for b in result.opts.batches:
                 pts = sorted((r.context, r.pct_roofline) for r in rows if r.kind == "decode" and r.op == "cache"
                              and r.layer == layer and r.impl == impl and r.batch == b and r.pct_roofline)
                 if pts:
-                    ax.plot(*zip(*pts), batch_style[b], color=color[impl], marker=marker,
-                            label=f"{layer.upper()} {impl} B={b}")
+                    ls, mk = batch_style[b]
+                    ax.plot(*zip(*pts), ls, color=col, marker=mk, markersize=7,
+                            markerfacecolor=col if impl == "triton" else "none", label=f"{layer.upper()} {impl} B={b}")
     ax.axhline(70, color="gray", lw=0.8, ls=":")
     if not ax.get_legend_handles_labels()[0]:
         ax.text(0.5, 0.5, "no % of roofline: the ceilings are measured on CUDA only", ha="center",
                 va="center", transform=ax.transAxes, color="gray")
     _axes(ax, "cache-side decode work: % of roofline (target 70%)", "% of roofline", result.opts.contexts,
           logy=False)
-    ax = axes[1][1]
-    pre = [r for r in rows if r.kind == "prefill"]
-    labels = [f"{r.layer.upper()} {r.op}\n{r.impl}" for r in pre]
-    ax.bar(range(len(pre)), [r.us / 1e3 for r in pre], color=["C0" if r.op == "layer" else "C1" for r in pre])
-    ax.set_xticks(range(len(pre)), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"prefill of {_ctx(result.opts.prefill)} tokens" if result.opts.prefill else "prefill (not run)")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
+    _prefill_bars(axes[1][1], [r for r in rows if r.kind == "prefill"], color, result.opts.prefill)
     fig.suptitle(f"dsv4 bench: {result.meta['model']} on {result.meta['device']}")
     try:
         fig.savefig(path, dpi=120)
     except OSError as e:
         raise InputError(f"cannot write plot to {path!r}: {e.strerror or e}") from None
+
+
+def _prefill_bars(ax: Any, pre: list[Row], color: dict[str, str], tokens: int) -> None:
+    """One group of bars per (layer, op), one bar per implementation, a legend of implementations."""
+    groups = list(dict.fromkeys((r.layer, r.op) for r in pre))
+    impls = [i for i in color if any(r.impl == i for r in pre)]
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs, ys = [], []
+        for g, (layer, op) in enumerate(groups):
+            r = next((r for r in pre if (r.layer, r.op, r.impl) == (layer, op, impl)), None)
+            if r is not None:
+                xs.append(g - 0.4 + width * (j + 0.5))
+                ys.append(r.us / 1e3)
+        ax.bar(xs, ys, width, color=color[impl], label=impl)
+    ax.set_xticks(range(len(groups)), [f"{layer.upper()}\n{op.replace('_', ' + ')}" for layer, op in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"prefill of {_ctx(tokens)} tokens" if tokens else "prefill (not run)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    if impls:
+        ax.legend(fontsize=7)
 
 
 def _axes(ax: Any, title: str, ylabel: str, contexts: tuple[int, ...], logy: bool = True) -> None:
