@@ -29,11 +29,12 @@ Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the f
                  picks (in index order, unsorted) and a lower bound of its k-th key; then grid B:
                  the picks among all chunks' picks, whose select starts below the bits shared by
                  the largest chunk bound and the largest candidate
-    filter       (more rows) grid B: `_filter_kernel` bounds the row's k-th score from below by the
+    filter       (FILTER_MIN_ROWS rows or more) grid B: `_filter_kernel` bounds the row's k-th score from below by the
                  k-th largest of 4k group maxima and keeps the scores at or above the bound (about
                  1.15 k on random rows) as candidates; then grid B: the select over those, started
                  below the bits shared by the bound and the largest candidate. One program per row
-                 whichever the batch, so it pays only once the rows fill the GPU (NOTES, round 24)
+                 whichever the batch, so it pays only once the rows fill the GPU
+                 (benchmarks/NOTES.md, twenty-fourth round)
 
 The first block of BLOCK elements is loaded once and kept in registers across the passes (all of
 the row when it fits); later blocks are re-read per pass (from L2 while they fit). No host reads,
