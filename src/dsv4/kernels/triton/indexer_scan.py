@@ -145,23 +145,34 @@ def _query_parts(qt, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def scan_tiles(q_ptr, wts, out_row, data_ptr, scale_ptr, glob_ptr, bt_row, b, p0, step, n_b, nt, s_qb, s_qh,
-               s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, max_entries, max_blocks, out_scale, EPB: tl.constexpr,
-               FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr,
-               BLOCK_H: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr,
-               UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
-               PREFETCH: tl.constexpr = True, KEYS_M: tl.constexpr = True):
-    """Request b's key tiles p0, p0 + step, ... below nt: scores of its first n_b entries -> out_row
-    (wts: the head weights times the weight scale)."""
+def _indexer_scan_kernel(
+        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
+        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
+        num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
+        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+        D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+        KEYS_M: tl.constexpr,
+        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    p0 = tl.program_id(1)
+    step = tl.num_programs(1)
     h = tl.arange(0, BLOCK_H)
     hmask = h < H
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
     d = tl.arange(0, D)
     if KEYS_M:      # q^T [D, H]: operand B (shared memory)
         qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
     else:           # q [H, D]: operand A (registers)
         qt = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
     qt_hi, qt_lo = _query_parts(qt, NATIVE)
+    n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
+    nt = tl.cdiv(n_b, BLOCK_N)
+    bt_row = bt_ptr + b * s_bt
     ar = tl.arange(0, BLOCK_N)
+    out_row = out_ptr + b * s_ob
+
     if PREFETCH:
         o0 = p0 * BLOCK_N + ar
         pg, rw = _locate(bt_row, o0, o0 < n_b, EPB, max_blocks)
@@ -203,32 +214,7 @@ def scan_tiles(q_ptr, wts, out_row, data_ptr, scale_ptr, glob_ptr, bt_row, b, p0
         if PREFETCH:
             words, sc, gl = words_n, sc_n, gl_n
             pg_n, rw_n = pg_nn, rw_nn
-
-
-@triton.jit
-def _indexer_scan_kernel(
-        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
-        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
-        num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
-        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
-        D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-        KEYS_M: tl.constexpr,
-        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr):
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    p0 = tl.program_id(1)
-    step = tl.num_programs(1)
-    h = tl.arange(0, BLOCK_H)
-    wts = tl.load(w_ptr + b * s_wb + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
-    n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
-    nt = tl.cdiv(n_b, BLOCK_N)
-    out_row = out_ptr + b * s_ob
-    scan_tiles(q_ptr, wts, out_row, data_ptr, scale_ptr, glob_ptr, bt_ptr + b * s_bt, b, p0, step, n_b, nt, s_qb,
-               s_qh, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, max_entries, max_blocks, out_scale, EPB, FMT, PREC, NATIVE,
-               H, BLOCK_H, D, NW, WPG, BLOCK_N, UNIT, UNIT_MUL, SCALE_T, ASM, PREFETCH, KEYS_M)
     # tiles past this request's entries: -inf only
-    ar = tl.arange(0, BLOCK_N)
     first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
     for tile in range(first, num_tiles, step):
         offs = tile * BLOCK_N + ar
@@ -254,12 +240,10 @@ def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
 
 def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
                 weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool,
-                num_warps: int, num_stages: int | None, asm: bool = True, maxnreg: int | None = None):
+                num_warps: int, num_stages: int | None, asm: bool = True):
     heads, dim = q.shape[1], q.shape[2]
     ge = _group_size(fmt_name)                       # elements per scale group
     extra = {"num_stages": num_stages} if num_stages else {}
-    if maxnreg:
-        extra["maxnreg"] = maxnreg
     return _indexer_scan_kernel[grid](
         q, weights, out, data, scale, glob, block_table, num_entries,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
-from dsv4.kernels.triton import indexer_scan, indexer_scan_fp8
+from dsv4.kernels.triton import indexer_scan
 from dsv4.kernels.triton.decode_common import (
     Views,
     dot_prec,
@@ -134,8 +134,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
-                         prefetch: bool = True, keys_m: bool = True, fp8: bool = False,
-                         maxnreg: int | None = None) -> torch.Tensor:
+                         prefetch: bool = True, keys_m: bool = True) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -186,15 +185,11 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         # 4 per SM 277; B = 8 8 per SM 38.6 µs (16 per SM: 43.5); B = 1 2 per SM 11.0 µs (1/2: 18.3)
         sper = 16 if bsz >= 32 else (8 if bsz >= 8 else 2)
         snp = num_programs or (min(stiles, max(1, triton.cdiv(sper * sm_count(q.device), bsz))) if cuda else 2)
-        if fp8 and fmt.name == "mxfp4" and dim == 128 and prec == 1:
-            k = indexer_scan_fp8.launch_scan8((bsz, min(snp, stiles)), q, weights, out, data, scale, glob,
-                                              block_table, num_entries, stiles, max_entries, epb, weight_scale,
-                                              cuda=cuda, block_n=sbn, num_warps=num_warps or 4)
-        else:
-            k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
-                                         num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name,
-                                         prec=prec, cuda=cuda, block_n=sbn, prefetch=prefetch, keys_m=keys_m,
-                                         num_warps=num_warps or 4, num_stages=num_stages, maxnreg=maxnreg)
+        k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
+                                     num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
+                                     cuda=cuda,
+                                     block_n=sbn, prefetch=prefetch, keys_m=keys_m,
+                                     num_warps=num_warps or 4, num_stages=num_stages)
         note_compile("indexer_scores", k)
         return out
     extra = {"num_stages": num_stages} if num_stages else {}
