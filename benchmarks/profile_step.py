@@ -1,7 +1,7 @@
 """Per-kernel device time of one decode step of each layer and of one prefill chunk's compression
 (CUDA only): where the time of a step goes, kernel by kernel.
 
-    python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)]
+    python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)] [--fp8-weights]
     ncu --profile-from-start off --clock-control none -k regex:NAME python benchmarks/profile_step.py --ncu ...
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--prefill-after", type=int, default=0,
                     help="the layer's chunk comes after this many cached tokens (run through the layer first)")
     ap.add_argument("--timeline", action="store_true", help="also print one step's kernels in time order")
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="the decode layers' projections as FP8 blocks (the bench's triton-fp8w layer)")
     ap.add_argument("--ncu", action="store_true",
                     help="run one warm step per table between cudaProfilerStart / Stop, no torch profiler "
                          "(under `ncu --profile-from-start off`)")
@@ -110,6 +112,9 @@ def main() -> None:
     NCU = args.ncu
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
+    if args.fp8_weights:
+        for blk in blocks.values():
+            blk.quantize_weights()
     ops = ops_for(DEV, "triton")
     with torch.no_grad():
         for batch in (int(b) for b in args.batches.split(",") if b):
@@ -120,7 +125,7 @@ def main() -> None:
                 blk = blocks[kind]
                 blk.backend = "triton"
                 h = bench_setup.acquire(st.mgr, li, st.batch, "triton")
-                kernel_table(f"decode {kind} layer C={args.context} B={batch}",
+                kernel_table(f"decode {kind} layer C={args.context} B={batch}{' FP8 weights' * args.fp8_weights}",
                              lambda blk=blk, st=st, h=h: blk(st.x, st.batch, h), timeline=args.timeline)
             st = None
             torch.cuda.empty_cache()
