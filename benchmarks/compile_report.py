@@ -202,7 +202,7 @@ def main() -> int:
             codes, scale = quantize_blocks(torch.randn(n, k) * 0.02)
             x = torch.randn(rows, groups * k).bfloat16()
             kname = "_gemv_kernel" if rows == 1 else "_gemm_kernel"
-            tiles = fl._gemv_tiles(k) if rows == 1 else fl._gemm_tiles(rows)
+            tiles = fl._gemv_tiles(n, k) if rows == 1 else fl._gemm_tiles(rows)
             report(f"linear_fp8 rows={rows} N={n} K={k} groups={groups} tiles={tiles}", fl, kname,
                    lambda x=x, c=codes, s=scale, g=groups: fl.linear_fp8(x, c, s, g),
                    num_warps=tiles[2], num_stages=tiles[3])

@@ -4,7 +4,8 @@
     one row of x (a batch-1 decode step)   `_gemv_kernel`: a stream over the codes, as `gemv`: each
                                            program BLOCK_N whole rows, K in BLOCK_K steps, the x
                                            slice pre-multiplied by its blocks' scales (a program's
-                                           rows share one scale row), one reduction at the end
+                                           rows share one scale row) once for all of the rows a
+                                           thread holds, one reduction at the end
     2 .. 256 rows (decode batches)         `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
                                            scale block (128): the codes converted to x's dtype
                                            (exact: e4m3 fits bf16), one dot, times the block's scale;
@@ -40,8 +41,11 @@ _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # a K step is J scale blocks of 128: tiles [BLOCK_N, J, 128], so the J scales load as one vector
-    # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale)
+    # a K step is J scale blocks of 128: tiles [J, 128, BLOCK_N], so the J scales load as one vector
+    # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale). Rows last: the
+    # 128 contiguous codes of a row spread over threads and J over the warp, so each thread holds
+    # every row of the program for its codes and converts and scales each x element once for all
+    # of them (rows first, the x slice was converted per row, after a shared-memory round trip)
     J: tl.constexpr = BLOCK_K // 128
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
@@ -50,16 +54,16 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
     nm = rn < N
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
-    wrow = w_ptr + rn[:, None, None].to(tl.int64) * s_wn
-    acc = tl.zeros([BLOCK_N, J, 128], tl.float32)
+    wrow = w_ptr + rn[None, None, :].to(tl.int64) * s_wn
+    acc = tl.zeros([J, 128, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rj[:, None] * 128 + tl.arange(0, 128)[None, :]            # [J, 128]
         km = kk < K
-        w = tl.load(wrow + kk[None, :, :], mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
+        w = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0).to(tl.float32)
         sc = tl.load(srow + k0 // 128 + rj, mask=k0 + rj * 128 < K, other=0.0)
         xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * sc[:, None]
-        acc += w * xs[None, :, :]
-    tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 2), 1).to(y_ptr.dtype.element_ty), mask=nm)
+        acc += w * xs[:, :, None]
+    tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -168,7 +172,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         return y
     launch = pdl_launch(x.device)
     if t == 1:
-        bn, bk, warps, stages = tiles or _gemv_tiles(k)
+        bn, bk, warps, stages = tiles or _gemv_tiles(n, k)
         bn = _block_n(n_group, groups, bn)
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
@@ -205,9 +209,11 @@ def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
     return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
 
 
-def _gemv_tiles(k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), BLOCK_K a multiple of 128: `gemv._tiles` with twice the K per
-    step (a byte a weight, so the same bytes per load)."""
-    if k <= 1024:
+def _gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), BLOCK_K a multiple of 128: 16 rows x 512 codes where that
+    still gives ~4 programs per SM (the q up-projection, the grouped o_a), else 4 x 2048 (q_a + kv,
+    W_ob). H100, batch 1, µs (`benchmarks/tune_fp8.py`; plain read of the codes 15.0-15.2): o_a 16.6
+    at 16 x 512 against 17.8 at 4 x 2048; W_ob 16.9 against 20.2; q_a + kv 6.9 against 10.6."""
+    if k <= 1024 or n >= 8192:
         return 16, 512, 4, 4
     return 4, 2048, 4, 3
