@@ -431,6 +431,33 @@ def test_quantised_formats_and_bf16_run():
     assert 0 < res.stats.peak_cache_bytes_used <= res.stats.cache_bytes_allocated
 
 
+def test_norms_of_older_transformers_get_the_pinned_dtype(monkeypatch):
+    """transformers before 5.23 returns a bf16 model's norms in fp32 (fp32 weight times the bf16-cast
+    normalised input), which its own bf16 MoE router refuses: the engine gives those norms the pinned
+    release's forward, and leaves norms that already return the input's dtype alone."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    from dsv4.engine.model_runner import match_pinned_norms
+
+    assert match_pinned_norms(Engine(build_default_model(), dtype=torch.bfloat16).model) == 0
+
+    def before_5_23(self, hidden_states):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    monkeypatch.setattr(hf.DeepseekV4RMSNorm, "forward", before_5_23)
+    eng = Engine(build_default_model(), dtype=torch.bfloat16)
+    norm = eng.model.model.layers[0].input_layernorm
+    x = torch.randn(3, norm.weight.shape[0], device=norm.weight.device).to(torch.bfloat16)
+    want = (norm.weight * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
+                                                  + norm.variance_epsilon)).to(torch.bfloat16)
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm(x), want)
+    res = eng.run(prompts_of(30, 12), max_new_tokens=3)
+    assert [len(o) for o in res.outputs] == [3, 3]
+
+
 def test_dsv4_run_builtin_model_table(tmp_path, capsys):
     f = write_lines(tmp_path / "p.txt", [ids_line(p) for p in prompts_of(40, 3)])
     code, out, err = run_cli(capsys, "run", "--prompts", f, "--max-new-tokens", "3", "--device", "cpu")

@@ -39,6 +39,7 @@ from dsv4.engine.model_runner import (
     ModelRunner,
     cast_like_transformers,
     check_patchable,
+    match_pinned_norms,
     patch_attention,
     weights_label,
 )
@@ -100,6 +101,7 @@ class Engine:
         if model.model.embed_tokens.weight.dtype != self.dtype:
             cast_like_transformers(model, self.dtype)
         self.model = model.to(self.device).eval()
+        match_pinned_norms(self.model)
         self.blocks = patch_attention(self.model, self.cfg, self.dtype)
         if fp8_weights:
             for block in self.blocks:

@@ -17,6 +17,8 @@ through the step's `ForwardBatch`.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -97,6 +99,33 @@ def check_patchable(model: nn.Module, cfg: DSV4Config) -> None:
     if any(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
         raise CheckpointError("this model's attention is already patched by another Engine; "
                               "give each Engine its own model")
+
+
+def _rms_norm_pinned(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers 5.23's `DeepseekV4RMSNorm.forward`: the fp32 weight times the fp32 normalised input,
+    cast once to the input's dtype."""
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight * h).to(dtype)
+
+
+def match_pinned_norms(model: nn.Module) -> int:
+    """Give the model's RMSNorms the pinned transformers' output dtype; returns how many were changed.
+
+    Releases before 5.23 cast the normalised input to its dtype first and multiply by the norm's fp32
+    weight after, so a bf16 model's norms return fp32 and its MoE router (a bf16 linear) refuses
+    them. A norm that does so on a probe gets 5.23's forward (one rounding, at the end)."""
+    norms = [m for m in model.modules() if type(m).__name__ == "DeepseekV4RMSNorm"]
+    if not norms or norms[0].weight.dtype != torch.float32:
+        return 0
+    probe = torch.ones(1, norms[0].weight.shape[-1], dtype=torch.bfloat16, device=norms[0].weight.device)
+    with torch.no_grad():
+        if norms[0](probe).dtype == torch.bfloat16:
+            return 0
+    for m in norms:
+        m.forward = types.MethodType(_rms_norm_pinned, m)
+    return len(norms)
 
 
 def cast_like_transformers(model: nn.Module, dtype: torch.dtype) -> None:
