@@ -62,7 +62,7 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:
-        return f"{type(e).__name__}: {str(e)[-300:]}"
+        return f"{type(e).__name__}: {str(e)[-int(os.environ.get('ERR_CHARS', 300)):]}"
     binp = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
