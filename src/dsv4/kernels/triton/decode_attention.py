@@ -5,8 +5,8 @@ Three schemes. From 8 requests of 64 heads (bf16 operands, D 512) the halves one
 `_scheme` for the H200 numbers: B = 64 128K CSA 55 µs, HCA 74 µs); its dots take fp8_ds keys as
 fp16 operands, with q and p in fp16 (exact keys, rounding finer than bf16's:
 `decode_common.key_operand`). The two-pass one in `decode_attention_2p` (pass 1: logits of all
-heads per key tile into a scores buffer, pass 2: values per 128-channel slice), the default before it, serves the other precisions on request.
-Otherwise the fused kernel below:
+heads per key tile into a scores buffer, pass 2: values per 128-channel slice), the default
+before it, serves the other precisions on request. Otherwise the fused kernel below:
 
     grid (head blocks, B, S): split s runs an online softmax over key tiles s, s+S, ... (window
     ring, then CSA indices / HCA entries); each tile is loaded once and feeds both q . K^T and
