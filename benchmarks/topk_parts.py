@@ -2,7 +2,7 @@
 
     python benchmarks/topk_parts.py [--batches 1,4,8,16,32,64] [--n 32768] [--k 512] [--parts]
 
-Paths: the filter (`_filter_kernel`, then the select over its candidates) and the two stages
+Paths: the filter (`_group_max_kernel`, then `_filter_kernel` with the select over the candidates) and the two stages
 (chunks' top-k, then the top-k of their picks), whole per batch size (where the filter's default
 starts: `topk.FILTER_MIN_ROWS`) and, with --parts, each kernel alone on inputs the kernel before
 it wrote, with launch variants. Timed as tune_decode times (L2 flushed before each replay).
@@ -25,25 +25,33 @@ from dsv4.kernels.triton import topk as tk
 from dsv4.kernels.triton.decode_common import pdl_launch
 
 
-def filter_parts(s: torch.Tensor, k: int, warps: int, blk: int, row: int, blk2: int, warps2: int
-                 ) -> tuple[float, float, float]:
+def filter_parts(s: torch.Tensor, k: int, fchunk: int, warps: int, blk: int, blk2: int
+                 ) -> tuple[float, ...]:
+    """The filter's two kernels (group maxima and bound, candidates and select; their arrival counts
+    zeroed in the timed region, as `topk_smaller_index` does), each alone and both."""
     bsz, n = s.shape
-    ng = triton.next_power_of_2(tk.FILTER_GROUPS * k)
-    cand = torch.empty(bsz, n, dtype=torch.int32, device=s.device)
-    counts = torch.empty(bsz, 2, dtype=torch.int32, device=s.device)
-    bound = torch.empty(bsz, 1, dtype=torch.int32, device=s.device)
-    out = torch.empty(bsz, k, dtype=torch.int64, device=s.device)
+    dev = s.device
+    ch, p, g = tk.filter_layout(n, triton.next_power_of_2(tk.FILTER_GROUPS * k), fchunk, True)
+    gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
+    cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
+    counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
+    bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
+    arrive = torch.zeros(2, bsz, dtype=torch.int32, device=dev)
+    out = torch.empty(bsz, k, dtype=torch.int64, device=dev)
+    steps = triton.next_power_of_2(max(1, min(triton.cdiv(ch, g), 4096 // g)))
 
     def k1():
-        tk._filter_kernel[(bsz,)](s, cand, counts, bound, s.stride(0), cand.stride(0), n, k, NG=ng,
-                                  SKEW=int(0.618 * ng) | 1, PASSES=tk.FILTER_PASSES, BLOCK=blk, ROW=row,
-                                  DIGIT=tk.DIGIT, num_warps=warps, **pdl_launch(s.device))
+        arrive[0].zero_()
+        tk._group_max_kernel[(bsz, p)](s, gmax, bound, arrive[0], s.stride(0), gmax.stride(0), n, k, ch, p * g, G=g,
+                                       SKEW=int(0.618 * g) | 1, STEPS=steps, NG=triton.next_power_of_2(p * g),
+                                       PASSES=tk.FILTER_PASSES, DIGIT=tk.DIGIT, num_warps=4, **pdl_launch(dev))
 
     def k2():
-        tk._topk_kernel[(bsz, 1)](s, cand, out, bound, counts, s.stride(0), cand.stride(0), out.stride(0), n, k, 0, 1,
-                                  BLOCK=blk2, K_PAD=triton.next_power_of_2(k), INDIRECT=True, FINAL=True,
-                                  FILTERED=True, DIGIT=tk.DIGIT, ROW=8, BOUNDS=1, num_warps=warps2,
-                                  **pdl_launch(s.device))
+        arrive[1].zero_()
+        tk._filter_kernel[(bsz, p)](s, cand, counts, bound, arrive[1], out, s.stride(0), cand.stride(0),
+                                    out.stride(0), n, k, ch, SEGS=p, BLOCK=min(blk, triton.next_power_of_2(ch)),
+                                    ROW=32, SEL_BLOCK=blk2, K_PAD=triton.next_power_of_2(k), DIGIT=tk.DIGIT,
+                                    num_warps=warps, **pdl_launch(dev))
 
     return _time_pair(k1, k2, out, s, k, "filter")
 
@@ -90,22 +98,22 @@ def main(argv: list[str] | None = None) -> int:
         s = torch.randn(b, a.n, device="cuda", generator=gen)
         two = tk.topk_smaller_index(s, a.k, chunk=tk.DEFAULT_CHUNK)
         assert torch.equal(two, ref_topk(s, a.k))
+        ng = tk.FILTER_GROUPS * a.k
         whole = (graph_us(lambda s=s: tk.topk_smaller_index(s, a.k, chunk=tk.DEFAULT_CHUNK)),
-                 graph_us(lambda s=s: tk.topk_smaller_index(s, a.k, groups=tk.FILTER_GROUPS * a.k)))
-        print(f"B={b} N={a.n} k={a.k}: two stages / filter  " + " / ".join(f"{x:.1f}" for x in whole) + " µs",
-              flush=True)
+                 graph_us(lambda s=s, ng=ng: tk.topk_smaller_index(s, a.k, groups=ng, filter_chunk=a.n)),
+                 graph_us(lambda s=s, ng=ng: tk.topk_smaller_index(s, a.k, groups=ng)))
+        print(f"B={b} N={a.n} k={a.k}: two stages / filter, one program per row / filter, {tk.FILTER_CHUNK} "
+              "scores per program  " + " / ".join(f"{x:.1f}" for x in whole) + " µs", flush=True)
         if not a.parts:
             continue
         print(f"B={b}: two stages  stage 1 / stage 2 / both  " +
               " / ".join(f"{x:.1f}" for x in stage_parts(s, a.k)) + " µs", flush=True)
-        for warps, blk, row, blk2, warps2 in ((16, 16384, 32, 1024, 8), (8, 16384, 32, 1024, 8),
-                                              (16, 32768, 32, 1024, 8), (16, 16384, 8, 1024, 8),
-                                              (16, 16384, 32, 2048, 8), (16, 16384, 32, 1024, 16),
-                                              (16, 16384, 32, 512, 4)):
-            r = filter_parts(s, a.k, warps, blk, row, blk2, warps2)
-            print(f"B={b} filter warps {warps:2d} block {blk:5d} row {row:2d} | select block {blk2:4d} "
-                  f"warps {warps2:2d}: filter / select / both  " + " / ".join(f"{x:.1f}" for x in r) + " µs",
-                  flush=True)
+        for fchunk, warps, blk, blk2 in ((4096, 8, 16384, 1024), (2048, 8, 16384, 1024), (8192, 8, 16384, 1024),
+                                         (4096, 4, 16384, 1024), (4096, 16, 16384, 1024), (4096, 8, 2048, 1024),
+                                         (4096, 8, 16384, 2048), (4096, 4, 16384, 512)):
+            r = filter_parts(s, a.k, fchunk, warps, blk, blk2)
+            print(f"B={b} filter chunk {fchunk:5d} warps {warps:2d} block {blk:5d} select block {blk2:4d}: "
+                  "maxima / filter+select / both  " + " / ".join(f"{x:.1f}" for x in r) + " µs", flush=True)
     return 0
 
 

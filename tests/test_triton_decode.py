@@ -308,13 +308,13 @@ def test_attention_halves_fp8_scale_range(layer, lo, hi):
 
 @pytest.mark.parametrize("knobs", [{}, {"scheme": "two_pass"}, {"scheme": "two_pass", "value_splits": 1},
                                    {"num_splits": 1}, {"num_splits": 3}, {"num_splits": 11},
-                                   {"num_splits": 37, "topk": 512}],
+                                   {"num_splits": 37, "topk": 512}, {"num_splits": 70, "topk": 512}],
                          ids=["halves", "two-pass", "two-pass-bf16-store", "fused", "combine", "combine-11",
-                              "combine-trips"])
+                              "combine-trips", "combine-trips-70"])
 def test_attention_inverse_rope_bf16(knobs):
     """rope=(cos, sin), out_dtype=bf16 and a bf16 q: the two-pass scheme's pass 2 rotates (two value
     splits: each partial, then fp32 adds; one: a bf16 store), so does the split combine (after the
-    halves scheme or the fused kernel; up to 32 splits all loaded at once; 37: trips of 8, the last
+    halves scheme or the fused kernel; up to 32 splits all loaded at once; 37, 70: trips, the last
     part-masked); a one-split fused kernel hands over to norm_rope."""
     knobs = dict(knobs)
     args = list(attention_args("real", "fp8_ds", CSA, 8, REAL_LENS, topk=knobs.pop("topk", 160)))

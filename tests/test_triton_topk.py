@@ -98,13 +98,16 @@ def test_topk_shared_prefix(n, k):
         _check(rows.to(DEVICE), k, chunk=64)
 
 
-@pytest.mark.parametrize("n,k,groups,block", [(300, 16, 64, None), (300, 16, 64, 32), (1000, 64, 256, None),
-                                              (1000, 64, 128, 64), (129, 8, 32, None), (2000, 32, 64, 128)])
-def test_topk_filter(n, k, groups, block):
+@pytest.mark.parametrize("n,k,groups,block,fchunk", [
+    (300, 16, 64, None, None), (300, 16, 64, 32, None), (1000, 64, 256, None, None), (1000, 64, 128, 64, None),
+    (129, 8, 32, None, None), (2000, 32, 64, 128, None),
+    (1000, 64, 256, None, 128), (1000, 64, 256, 64, 300), (300, 16, 64, 32, 64), (129, 8, 32, None, 50)])
+def test_topk_filter(n, k, groups, block, fchunk):
     """Group maxima bound the k-th score, the select runs over the scores at or above the bound (one
-    block of candidates, or several with a small block)."""
+    block of candidates, or several with a small block); with fchunk the row's chunks find their
+    maxima and candidates side by side (segments of candidates, a short last chunk)."""
     gen = torch.Generator().manual_seed(n * 3 + k)
-    _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block)
+    _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block, filter_chunk=fchunk)
 
 
 def _neg_nan(n: int) -> torch.Tensor:
@@ -112,8 +115,8 @@ def _neg_nan(n: int) -> torch.Tensor:
     return torch.full((n,), -4194304, dtype=torch.int32).view(torch.float32)      # 0xFFC00000
 
 
-@pytest.mark.parametrize("block", [None, 32])
-def test_topk_filter_hard_rows(block):
+@pytest.mark.parametrize("block,fchunk", [(None, None), (32, None), (None, 128), (32, 150)])
+def test_topk_filter_hard_rows(block, fchunk):
     """Rows the filter finds hard: ascending (k whole groups of candidates, more than a block),
     fewer than k scores above -inf (a short request's -inf tail; the bound is then -inf and the
     -inf scores are counted, not kept), negative NaNs below the -inf ones, one value throughout."""
@@ -129,8 +132,8 @@ def test_topk_filter_hard_rows(block):
     s[4, :] = 3.0
     s[5, 5:] = float("-inf")
     s[5, -3:] = _neg_nan(3)
-    _check(s.to(DEVICE), k, groups=64, block=block)
-    _check(s.to(DEVICE), 40, groups=128, block=block)
+    _check(s.to(DEVICE), k, groups=64, block=block, filter_chunk=fchunk)
+    _check(s.to(DEVICE), 40, groups=128, block=block, filter_chunk=fchunk)
 
 
 def test_topk_special_values():
@@ -157,7 +160,8 @@ def test_topk_v4_sizes(b, n):
     rows = _rows(b, n, gen).to(DEVICE)
     ties = (torch.randn(b, n, generator=gen) * 1e-3).round(decimals=3).to(DEVICE)          # dense ties
     ascending = torch.arange(n, device=DEVICE, dtype=torch.float32).repeat(b, 1)    # the filter's worst rows
-    for kw in ({}, {"chunk": 0}, {"chunk": 2048}, {"chunk": 8192, "block": 4096}, {"groups": 1024}):
+    for kw in ({}, {"chunk": 0}, {"chunk": 2048}, {"chunk": 8192, "block": 4096}, {"groups": 1024},
+               {"groups": 2048, "filter_chunk": 1 << 20}, {"groups": 2048, "filter_chunk": 16384}):
         _check(rows, 512, **kw)
         _check(ties, 512, **kw)
         _check(ascending, 512, **kw)
@@ -167,11 +171,12 @@ def test_topk_v4_sizes(b, n):
 def test_topk_cuda_graph():
     gen = torch.Generator().manual_seed(0)
     s = _rows(8, 32768, gen).cuda()
-    tri_topk(s, 512)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tri_topk(s, 512)
-    for _ in range(2):
-        s.copy_(_rows(8, 32768, gen).cuda())
-        g.replay()
-        assert torch.equal(out, ref_topk(s, 512))
+    for kw in ({}, {"groups": 2048}):       # two stages at 8 rows, and the filter
+        tri_topk(s, 512, **kw)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = tri_topk(s, 512, **kw)
+        for _ in range(2):
+            s.copy_(_rows(8, 32768, gen).cuda())
+            g.replay()
+            assert torch.equal(out, ref_topk(s, 512))

@@ -14,14 +14,15 @@ from dsv4.kernels.triton.decode_common import inverse_rope, pdl_enter, pdl_launc
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
                     H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
-                    UNROLL: tl.constexpr, PDL: tl.constexpr):
+                    UNROLL: tl.constexpr, TRIP: tl.constexpr, PDL: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
     ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
     as `norm_rope`), so the layer needs no separate pass over the output. Stored in out's dtype.
 
     Program (b, head block, 64-channel block). UNROLL (S <= 32): every split's load is issued at
-    once (a static loop), else eight splits' loads are in flight per trip (one load per trip left
-    B = 1 with 4 programs waiting on each split in turn). H200, B = 1, 128K, profile: unrolled with
+    once (a static loop), else TRIP splits' loads are in flight per trip (one load per trip left
+    B = 1 with 4 programs waiting on each split in turn; trips of 8 over the fused kernel's 66
+    splits at B = 1, 1M, HCA: 19.3 µs of a 123 µs layer, H200). H200, B = 1, 128K, profile: unrolled with
     8-head programs (small grids) the combine takes CSA 2.4 / HCA 3.9 µs, vs 4.4 / 7.7 µs in trips
     of 8 over 16-head programs (3.3 / 5.7 unrolled at 16 heads); 4-head programs with a
     [16 splits, 4, 64] tile were slower still. The rotation pairs channels in registers after the
@@ -42,8 +43,8 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
                            other=0.0)
             acc += wgt[:, None] * part
     else:
-        for s0 in range(0, S, 8):                       # 8 splits' loads in flight per trip
-            for u in tl.static_range(8):
+        for s0 in range(0, S, TRIP):                    # TRIP splits' loads in flight per trip
+            for u in tl.static_range(TRIP):
                 si = s0 + u
                 ok = hmask & (si + 0 * h < S)
                 wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
@@ -60,22 +61,32 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
 
 
 
+#: splits whose loads one combine trip issues together, past 32 splits (`_combine_kernel`)
+COMBINE_TRIP = 8
+
+
 def combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
              rope: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype | None,
-             dim: int, nch: int, cuda: bool) -> torch.Tensor:
+             dim: int, nch: int, cuda: bool, trip: int | None = None, block_h: int | None = None,
+             block_d: int | None = None) -> torch.Tensor:
     """The split combine of key-split partials part [B, S, H, nch * 64] and stats pml [B, S, H, 2]:
-    the sink, the inverse rotation, the output dtype -> [B, H, D]."""
+    the sink, the inverse rotation, the output dtype -> [B, H, D]. trip (splits per trip past 32
+    splits; COMBINE_TRIP), block_h, block_d: tuning."""
     bsz, n_split, heads, _ = part.shape
     out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=part.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
     if cuda and bsz * triton.cdiv(heads, bhc) * nch < sm_count(part.device):
-        bhc = min(8, bhc)           # a grid smaller than the GPU: more, smaller programs
+        # a grid smaller than the GPU: a program per (head, 128 channels) keeps the most partial bytes
+        # in flight (benchmarks/combine_trip.py, H200, 66 splits at B = 1: 18.2 µs against 42.0 at
+        # 8 heads x 64 channels, 22.7 at 2 x 64; 33 splits at B = 2: 10.9 against 21.5)
+        bhc, bdc = 1, 128
+    bhc, bdc = block_h or bhc, block_d or bdc
     # without rope, any fp32 tensor stands in for cos / sin (never read): no conversion kernel
     cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
     _combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
         part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32, num_warps=4,
-        **pdl_launch(part.device))
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32,
+        TRIP=trip or COMBINE_TRIP, num_warps=4, **pdl_launch(part.device))
     return out

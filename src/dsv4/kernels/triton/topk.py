@@ -25,16 +25,19 @@ One program per row (grid B), four phases over the row's N scores:
 
 Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the final select:
 
-    two stages   (fewer than FILTER_MIN_ROWS rows) grid B x chunks: each 4096-score chunk's exact
-                 picks (in index order, unsorted) and a lower bound of its k-th key; then grid B:
-                 the picks among all chunks' picks, whose select starts below the bits shared by
-                 the largest chunk bound and the largest candidate
-    filter       (FILTER_MIN_ROWS rows or more) grid B: `_filter_kernel` bounds the row's k-th score from below by the
-                 k-th largest of 4k group maxima and keeps the scores at or above the bound (about
-                 1.15 k on random rows) as candidates; then grid B: the select over those, started
-                 below the bits shared by the bound and the largest candidate. One program per row
-                 whichever the batch, so it pays only once the rows fill the GPU
-                 (benchmarks/NOTES.md, twenty-fourth round)
+    filter       (on CUDA from FILTER_MIN_ROWS rows, or rows of FILTER_LONG_ROW scores) grid
+                 B x P, a program per 4096-score chunk of a row:
+                 `_group_max_kernel` finds the maxima of 4k / P groups of its chunk, and the row's
+                 last program to finish bounds the row's k-th score from below by the k-th largest
+                 of the row's 4k maxima; then `_filter_kernel` keeps its chunk's scores at or above
+                 the bound (about 1.15 k a row on random rows) as candidates, and the row's last
+                 program to finish runs the select over them, started below the bits shared by the
+                 bound and the largest candidate (benchmarks/NOTES.md, twenty-fourth and
+                 twenty-sixth rounds)
+    two stages   (fewer, shorter rows; or with `chunk`) grid B x chunks: each chunk's exact picks (in index order,
+                 unsorted) and a lower bound of its k-th key; then grid B: the picks among all
+                 chunks' picks, whose select starts below the bits shared by the largest chunk
+                 bound and the largest candidate
 
 The first block of BLOCK elements is loaded once and kept in registers across the passes (all of
 the row when it fits); later blocks are re-read per pass (from L2 while they fit). No host reads,
@@ -68,10 +71,27 @@ def _ukeys(x):
 
 
 @triton.jit
-def _load(row, irow, o, m, INDIRECT: tl.constexpr):
-    """Elements o of the program's row -> (unsigned keys, original indices): scores[o], or scores[cand[o]]."""
+def _seg_offsets(o, cnt_row, CH, SEGS: tl.constexpr, CM: tl.constexpr):
+    """Positions o among the candidates of SEGS segments of CH slots (`_filter_kernel`'s: segment s
+    holds cnt[s] of them) -> their offsets in the segmented buffer: o plus the unused slots
+    (CH - cnt[s]) of every segment that ends at or before o."""
+    if SEGS == 1:
+        return o
+    add = tl.zeros_like(o)
+    incl = tl.zeros([], tl.int32)
+    for s in tl.static_range(SEGS - 1):
+        c = tl.load(cnt_row + s, cache_modifier=CM)
+        incl += c
+        add += tl.where(o >= incl, CH - c, 0)
+    return o + add
+
+
+@triton.jit
+def _load(row, irow, o, m, INDIRECT: tl.constexpr, cnt_row, CH, SEGS: tl.constexpr, CM: tl.constexpr):
+    """Elements o of the program's row -> (unsigned keys, original indices): scores[o], or scores[cand[o]]
+    (cand in SEGS segments of CH slots: `_seg_offsets`)."""
     if INDIRECT:
-        idx = tl.load(irow + o, mask=m, other=0)
+        idx = tl.load(irow + _seg_offsets(o, cnt_row, CH, SEGS, CM), mask=m, other=0, cache_modifier=CM)
     else:
         idx = o.to(tl.int64)
     return _ukeys(tl.load(row + idx, mask=m, other=0.0)), idx
@@ -124,18 +144,28 @@ def _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen):
 def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
                  BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr, FINAL: tl.constexpr,
                  FILTERED: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
-                 PDL: tl.constexpr):
-    """Program (b, g): the top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
+                 SEGS: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, g): `_topk_row` of row b, chunk g. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
+    _topk_row(tl.program_id(0).to(tl.int64), tl.program_id(1), s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row,
+              o_row, N, K, CHUNK, NB, BLOCK, K_PAD, INDIRECT, FINAL, FILTERED, DIGIT, ROW, BOUNDS, SEGS, "")
+
+
+@triton.jit
+def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
+              BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr, FINAL: tl.constexpr,
+              FILTERED: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
+              SEGS: tl.constexpr, CM: tl.constexpr):
+    """The top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
     and pads; else the picks in index order (a first stage). FILTERED: the candidates of
-    `_filter_kernel`, their count and the row's -inf count at cnt[b, 0:2], its bound at lb[b]. A block
+    `_filter_kernel` in SEGS segments of CHUNK slots, the segments' candidate and -inf counts at
+    cnt[b, 0:SEGS] and cnt[b, SEGS:2 SEGS], the row's bound at lb[b]. A block
     of elements is a [BLOCK // ROW, ROW] tile, ROW consecutive elements per row: the collect's scan runs
     along the rows in registers, then over the row totals. The first block stays in registers across
-    the passes (all of the row when n <= BLOCK); later blocks are re-read. PDL: see `pdl_enter`."""
-    pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    the passes (all of the row when n <= BLOCK); later blocks are re-read. CM: the cache modifier of
+    the candidate and count loads (".cg" where other programs of the same kernel wrote them)."""
     row = s_ptr + b * s_row
     irow = i_ptr + b * i_row + g * CHUNK
     orow = out_ptr + b * o_row + g * K
@@ -143,16 +173,20 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
         row_e = row + g * CHUNK               # element j of the program is scores[b, g*CHUNK + j]
     else:
         row_e = row
+    cnt_row = cnt_ptr + b * 2 * SEGS
     if FILTERED:
-        n = tl.load(cnt_ptr + 2 * b)
-        n_inf = tl.load(cnt_ptr + 2 * b + 1)
+        n = tl.zeros([], tl.int32)
+        n_inf = tl.zeros([], tl.int32)
+        for sg in tl.static_range(SEGS):
+            n += tl.load(cnt_row + sg, cache_modifier=CM)
+            n_inf += tl.load(cnt_row + SEGS + sg, cache_modifier=CM)
     else:
         n = tl.minimum(N - g * CHUNK, CHUNK)
         n_inf = 0
     kk = tl.minimum(K, n)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     valid = offs < n
-    key, _ = _load(row_e, irow, offs, valid, INDIRECT)
+    key, _ = _load(row_e, irow, offs, valid, INDIRECT, cnt_row, CHUNK, SEGS, CM)
 
     # ---- select, most significant digit first: thr collects the kk-th largest key's digits, need
     # counts how many keys sharing thr's bits above `hi` are still to take. It stops once every key
@@ -188,7 +222,7 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
         for start in range(BLOCK, n, BLOCK):
             o = start + offs
             m = o < n
-            k, _ = _load(row_e, irow, o, m, INDIRECT)
+            k, _ = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM)
             h += _digit_hist(k, m, thr, hi, shift, NBINS, BLOCK)
         need, thr, go = _select_step(h, bins, need, thr, shift)
         hi = shift
@@ -199,7 +233,7 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
     # (positions follow the original indices: rows directly, candidates in their stored order)
     t_hi = thr >> hi.to(tl.uint32)
     if INDIRECT:
-        idx = tl.load(irow + offs, mask=valid, other=0)
+        idx = tl.load(irow + _seg_offsets(offs, cnt_row, CHUNK, SEGS, CM), mask=valid, other=0, cache_modifier=CM)
     else:
         idx = offs.to(tl.int64) + g * CHUNK
     gt_seen, eq_seen = _collect_block(orow, key, idx, valid, t_hi, hi, need, tl.zeros([], tl.int32),
@@ -207,7 +241,7 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
     for start in range(BLOCK, n, BLOCK):
         o = start + offs
         m = o < n
-        k, idx = _load(row_e, irow, o, m, INDIRECT)
+        k, idx = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM)
         if not INDIRECT:
             idx = idx + g * CHUNK
         gt_seen, eq_seen = _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen)
@@ -241,52 +275,87 @@ def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N,
 
 
 @triton.jit
-def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, K,
-                   NG: tl.constexpr, SKEW: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
-                   ROW: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
-    """Program b: row b's candidates, the scores at or above a lower bound T of its K-th largest score.
-
-    The row's scores fall into NG >= K groups: step i reads scores [i*NG, i*NG + NG) (one coalesced
-    block), and score i*NG + p joins group (p + i*SKEW) mod NG. The skew spreads both a periodic row
-    (the same scores every NG or 2 NG: unskewed, a group would hold copies of few values) and a
-    monotone or locally smooth one (neighbours in one group) over many groups. T is the K-th largest
-    group maximum, its bits below the first PASSES select digits cleared: K groups hold a score >= T,
-    so every top-K score is >= T. The candidates' indices go to cand[b] in index order (-inf scores
-    left out and counted instead), their count and the -inf count to cnt[b, 0:2], T to lb[b]. PDL: see
-    `pdl_enter`."""
-    pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    row = s_ptr + b * s_row
-    crow = cand_ptr + b * c_row
-    gj = tl.arange(0, NG)
-    gmax = tl.zeros([NG], tl.uint32)
-    for i in range(0, tl.cdiv(N, NG)):
-        o = i * NG + ((gj - i * SKEW) & (NG - 1))
-        m = o < N
-        gmax = tl.maximum(gmax, tl.where(m, _ukeys(tl.load(row + o, mask=m, other=0.0)), 0))
-    gvalid = gj < N             # step 0 gives group j score j: every group but those past a short row's end
-
+def _row_bound(gmax, K, NG: tl.constexpr, PASSES: tl.constexpr, DIGIT: tl.constexpr):
+    """The K-th largest of the group maxima gmax [NG] (unsigned keys), its bits below the first PASSES
+    select digits cleared: at least K maxima are >= it."""
     NBINS: tl.constexpr = 1 << DIGIT
     bins = tl.arange(0, NBINS)
+    valid = tl.arange(0, NG) < NG
     thr = tl.zeros([], tl.uint32)
     need = K
     hi = tl.full([], 32, tl.int32)
     go = need > 0
     while go:
         shift = tl.maximum(hi - DIGIT, 0)
-        h = _digit_hist(gmax, gvalid, thr, hi, shift, NBINS, NG)
+        h = _digit_hist(gmax, valid, thr, hi, shift, NBINS, NG)
         need, thr, go = _select_step(h, bins, need, thr, shift)
         go = go & (shift > 32 - PASSES * DIGIT)      # a few digits bound tightly enough
         hi = shift
-    # thr: the K-th largest maximum's bits above hi, zeros below: at least K maxima are >= it
+    return thr
 
+
+@triton.jit
+def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, CH, n_groups, G: tl.constexpr,
+                      SKEW: tl.constexpr, STEPS: tl.constexpr, NG: tl.constexpr, PASSES: tl.constexpr,
+                      DIGIT: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, j): the maxima of chunk j's G groups (chunk j: scores [j*CH, j*CH + CH) of row b)
+    -> gmax[b, j*G : j*G + G] as unsigned keys (0, the least key, for a group with no score); the
+    row's last program to finish (counted in at arrive[b], zero before the launch) then reads all
+    n_groups <= NG maxima of the row and writes the bound `_row_bound` to lb[b].
+
+    Step i of a chunk reads its scores [i*G, i*G + G) (one coalesced block), and score i*G + p
+    joins group (p + i*SKEW) mod G. The skew spreads both a periodic row (the same scores every G
+    or 2 G: unskewed, a group would hold copies of few values) and a monotone or locally smooth one
+    (neighbours in one group) over many groups. STEPS steps load at once. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    row = s_ptr + b * s_row
+    lo = j * CH
+    end = tl.minimum(lo + CH, N)
+    gj = tl.arange(0, G)[None, :]
+    st = tl.arange(0, STEPS)[:, None]
+    gmax = tl.zeros([G], tl.uint32)
+    for i0 in range(0, tl.cdiv(CH, G), STEPS):
+        i = i0 + st
+        o = lo + i * G + ((gj - i * SKEW) & (G - 1))
+        m = o < end
+        gmax = tl.maximum(gmax, tl.max(tl.where(m, _ukeys(tl.load(row + o, mask=m, other=0.0)), 0), 0))
+    tl.store(gmax_ptr + b * g_row + j * G + tl.arange(0, G), gmax.to(tl.int32, bitcast=True))
+    # the CUB last-block pattern: every thread's stores, then one acq_rel count per program
+    tl.debug_barrier()
+    if tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        ga = tl.arange(0, NG)
+        gall = tl.load(gmax_ptr + b * g_row + ga, mask=ga < n_groups, other=0, cache_modifier=".cg")
+        thr = _row_bound(gall.to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
+        tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
+                   SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, j): chunk j's candidates, the scores at or above row b's bound lb[b]
+    (`_group_max_kernel`), whose indices go to cand[b, j*CH ...] in index order (-inf scores left
+    out and counted instead), their count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]. The
+    row's last program to finish (counted in at arrive[b], zero before the launch) then runs the
+    exact select over the row's candidates (`_topk_row`, SEL_BLOCK of them held in registers) and
+    writes out[b]. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    row = s_ptr + b * s_row
+    thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
     neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    lo = j * CH
+    end = tl.minimum(lo + CH, N)
+    crow = cand_ptr + b * c_row + lo
     seen = tl.zeros([], tl.int32)
     n_inf = tl.zeros([], tl.int32)
-    for start in range(0, N, BLOCK):
+    for start in range(lo, end, BLOCK):
         o = start + offs
-        m = o < N
+        m = o < end
         k = _ukeys(tl.load(row + o, mask=m, other=0.0))
         is_inf = m & (k == neg)
         v = (m & (k >= thr) & ~is_inf).to(tl.int32)
@@ -295,20 +364,25 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, K,
         tl.store(crow + seen + before, o, mask=v == 1)
         seen += tl.sum(row_tot, 0)
         n_inf += tl.sum(tl.sum(is_inf.to(tl.int32), 1), 0)
-    tl.store(cnt_ptr + 2 * b, seen)
-    tl.store(cnt_ptr + 2 * b + 1, n_inf)
-    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
+    tl.store(cnt_ptr + b * 2 * SEGS + j, seen)
+    tl.store(cnt_ptr + b * 2 * SEGS + SEGS + j, n_inf)
+    tl.debug_barrier()
+    if tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+        _topk_row(b, 0, s_ptr, cand_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, c_row, o_row, N, K, CH, 1,
+                  SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg")
 
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
-                       chunk: int | None = None, digit: int | None = None, groups: int | None = None) -> torch.Tensor:
+                       chunk: int | None = None, digit: int | None = None, groups: int | None = None,
+                       filter_chunk: int | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
     Long rows of a large batch on CUDA run through a filter (`groups` group maxima per row, default
     FILTER_GROUPS x k, see `_filter_kernel`): the K-th largest maximum bounds the row's K-th score from
     below, the scores at or above it (about 1.15 k on random rows; more on rows built to defeat the
     grouping, all of them at worst, still exact) are the candidates, and the exact select runs over
-    those alone. With `chunk` given instead, long rows run in two stages: chunks of `chunk`
+    those alone. The row's chunks of `filter_chunk` scores (`filter_layout`) find their maxima and
+    candidates in programs side by side. With `chunk` given instead, long rows run in two stages: chunks of `chunk`
     scores each give their exact top-k (grid B x chunks), then the top-k of those candidates (every
     global pick is among its chunk's picks; candidates keep index order chunk by chunk, so ties still
     go to the smaller index); chunk 0 = one stage. block, num_warps, digit (bits per select pass): tuning.
@@ -325,10 +399,10 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     cuda = scores.device.type == "cuda"
     if groups is None:
         groups = FILTER_GROUPS * k if cuda and chunk is None and n > 2 * DEFAULT_CHUNK \
-            and bsz >= FILTER_MIN_ROWS else 0
+            and (bsz >= FILTER_MIN_ROWS or n >= FILTER_LONG_ROW) else 0
     ng = triton.next_power_of_2(groups) if groups else 0
     if ng >= k and n > ng:          # K groups to bound the K-th score with
-        _filter(scores, out, k, ng, block, num_warps, cuda, digit)
+        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit)
         return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
@@ -352,9 +426,15 @@ DEFAULT_CHUNK = 4096
 FILTER_GROUPS = 4
 #: select digits the filter's bound keeps (3: within about 1% of the k-th group maximum)
 FILTER_PASSES = 3
-#: CUDA rows from which the filter is the default: it runs one latency-bound program per row, the two
-#: stages B x chunks programs, faster while the rows are few (benchmarks/topk_parts.py)
+#: CUDA rows from which the filter is the default for rows of more than 2 DEFAULT_CHUNK scores (in a
+#: decode step at 128K, 32,768 scores a row, the two stages were 1.3 µs faster at B = 1, 0.8 slower at
+#: B = 16, the same at 64: benchmarks/NOTES.md, twenty-sixth round)
 FILTER_MIN_ROWS = 32
+#: scores a row from which the filter is the default whatever the rows (1M context: 262,144 scores,
+#: where the two stages' second stage selects among 32 x k picks in one program)
+FILTER_LONG_ROW = 65536
+#: scores per filter program on CUDA (a row's chunks are filtered side by side)
+FILTER_CHUNK = 4096
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
@@ -382,29 +462,43 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: 
         scores, idx, out, bounds if bounds is not None else out, out, scores.stride(0), idx.stride(0),
         out.stride(0), n, k, chunk, nb, BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
         FINAL=final, FILTERED=False, DIGIT=digit or DIGIT, ROW=min(8, blk),
-        BOUNDS=triton.next_power_of_2(nb) if nb else 0,
+        BOUNDS=triton.next_power_of_2(nb) if nb else 0, SEGS=1,
         num_warps=_warps(num_warps, cuda, scores.shape[0] * groups, blk, scores.device), **pdl_launch(scores.device))
 
 
-def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, block: int | None, num_warps: int | None,
-            cuda: bool, digit: int | None) -> None:
-    """The filter (ng groups per row), then the exact select over its candidates."""
+def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, int, int]:
+    """(chunk length CH, chunks P, groups per chunk G) of the filter over rows of n scores with about
+    ng group maxima: CH = `chunk`, else 4,096 on CUDA (one program per 4,096 scores: the row's
+    chunks run side by side) and the whole row on the interpreter; G the power of two nearest
+    ng / P from below, at most CH."""
+    ch = min(chunk or (FILTER_CHUNK if cuda else n), n)
+    p = triton.cdiv(n, ch)
+    g = max(1, min(ng // triton.next_power_of_2(p), 1 << (ch.bit_length() - 1)))
+    return ch, p, g
+
+
+def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
+            num_warps: int | None, cuda: bool, digit: int | None) -> None:
+    """Two launches: the group maxima and the row's bound, then the candidates and the exact select."""
     bsz, n = scores.shape
     dev = scores.device
-    cand = torch.empty(bsz, n, dtype=torch.int32, device=dev)
-    counts = torch.empty(bsz, 2, dtype=torch.int32, device=dev)
+    ch, p, g = filter_layout(n, ng, chunk, cuda)
+    gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
+    cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
+    counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-    blk = block or min(triton.next_power_of_2(n), 16384 if cuda else 1024)
+    arrive = torch.zeros(2, bsz, dtype=torch.int32, device=dev)      # each kernel's per-row count of finished programs
+    steps = max(1, min(triton.cdiv(ch, g), 4096 // g))
+    _group_max_kernel[(bsz, p)](scores, gmax, bound, arrive[0], scores.stride(0), gmax.stride(0), n, k, ch, p * g,
+                                G=g, SKEW=int(0.618 * g) | 1 if g > 1 else 0, STEPS=triton.next_power_of_2(steps),
+                                NG=triton.next_power_of_2(p * g), PASSES=FILTER_PASSES, DIGIT=digit or DIGIT,
+                                num_warps=4, **pdl_launch(dev))
+    blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    _filter_kernel[(bsz,)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, k, NG=ng,
-                           SKEW=int(0.618 * ng) | 1, PASSES=FILTER_PASSES, BLOCK=blk, ROW=min(32, blk),
-                           DIGIT=digit or DIGIT, num_warps=num_warps or (16 if cuda else 4), **pdl_launch(dev))
-    blk = block or FILTER_BLOCK
-    _topk_kernel[(bsz, 1)](
-        scores, cand, out, bound, counts, scores.stride(0), cand.stride(0), out.stride(0), n, k, 0, 1,
-        BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=True, FINAL=True, FILTERED=True,
-        DIGIT=digit or DIGIT, ROW=min(8, blk), BOUNDS=1, num_warps=num_warps or (8 if cuda else 4),
-        **pdl_launch(dev))
+    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
+                             out.stride(0), n, k, ch, SEGS=p, BLOCK=blk, ROW=min(32, blk),
+                             SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT,
+                             num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
