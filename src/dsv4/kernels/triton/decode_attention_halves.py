@@ -37,8 +37,9 @@ Max error vs the fp32 reference 0.5-1.1e-3 of its largest output (two-pass 0.8-1
 q and p to bf16 for the dots). Since: fp8_ds keys go to fp16 operands (`decode_common.key_operand`:
 one conversion and one multiply a pair of elements instead of ~3 instructions an element; exact
 keys while the scales lie in [2^-15, 2^7]), with q and p in fp16 too: 1,199 -> 1,024 SASS
-instructions per 32-key tile, B = 64 CSA 58.4 -> 56.1 µs, HCA 77.6 -> 75.9 (H200), and the error
-~3e-4 of the largest output instead of ~5e-3 (tests/test_triton_decode.py).
+instructions per 32-key tile, B = 64 CSA 58.4 -> 56.1 µs, HCA 77.6 -> 75.9 (H200; inside the
+layer no faster), and the error ~3e-4 of the largest output instead of ~5e-3
+(tests/test_triton_decode.py).
 
 Static grids and buffer sizes, no host reads: capturable in a CUDA graph.
 """
