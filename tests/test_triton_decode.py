@@ -352,15 +352,26 @@ def test_attention_64_heads_long(kv_format, layer):
 
 
 @pytest.mark.gpu
+def test_attention_halves_one_long_request():
+    """One request with 4,097 HCA entries (524,417 tokens) takes the halves scheme by default,
+    its keys spread over one split per SM."""
+    args = attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,))
+    assert args[12] >= att.LONG_KEYS
+    close(tri.decode_attention(*args), ref.decode_attention(*args), TOL["fp16"])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
 def test_attention_halves_default(layer):
-    """From 8 requests of 64 heads (bf16 operands, D 512) the default is the halves scheme: two
-    launches chained by programmatic dependent launch, then the split combine. Ragged lengths
-    across the tile, window and 128 / 256 boundaries; eager, several splits, and a CUDA-graph
-    replay after the metadata and the queries change in place."""
+    """From 4 requests of 64 heads, or one with 4,096 compressed keys (bf16 operands, D 512), the
+    default is the halves scheme: two launches chained by programmatic dependent launch, then the
+    split combine. Ragged lengths across the tile, window and 128 / 256 boundaries; eager, several
+    splits, and a CUDA-graph replay after the metadata and the queries change in place."""
     lens = (1, 127, 128, 129, 255, 256, 257, 4097, 20000)
     args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
     assert att._scheme(len(lens), 64, 8, 1, True, True) == "halves"
+    assert att._scheme(4, 64, 8, 1, True, True) == att._scheme(1, 64, 8, 1, True, True, 4096) == "halves"
+    assert att._scheme(3, 64, 8, 1, True, True, 4095) == att._scheme(4, 64, 8, 0, True, True) == "fused"
     want = ref.decode_attention(*args)
     close(tri.decode_attention(*args), want, TOL["fp16"])
     for splits in (1, 5, 40):

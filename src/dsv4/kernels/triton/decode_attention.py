@@ -1,6 +1,7 @@
 """Triton twin of `reference.decode.decode_attention`: sink attention of one query token per request.
 
-Three schemes. From 8 requests of 64 heads (bf16 operands, D 512) the halves one in
+Three schemes. From 4 requests of 64 heads, or one request with 4,096 entries or more (bf16
+operands, D 512), the halves one in
 `decode_attention_halves` (64 heads and half of the value channels per program, one pass; see
 `_scheme` for the H200 numbers: B = 64 128K CSA 55 µs, HCA 74 µs); its dots take fp8_ds keys as
 fp16 operands, with q and p in fp16 (exact keys, rounding finer than bf16's:
@@ -247,7 +248,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     # bf16 operands: a bf16 q is the operand as is (no conversion kernels); else fp32
     q = q.contiguous() if prec == 1 and q.dtype == torch.bfloat16 else q.float().contiguous()
     if scheme is None:
-        scheme = _scheme(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None)
+        scheme = _scheme(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None, n_comp)
     if scheme not in SCHEMES:
         raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
     keys = (wkv, wrope, wsc, ckv, crope, csc)
@@ -333,8 +334,9 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
     warps (H200, B = 64: CSA 190 µs vs 210, HCA 303 vs 341; at B = 1 it loses: 29 vs 23 µs). The fp32 FMA dots
     of "ieee"/"tf32x3" spill at D 512 for any tile (validation formats: correct, slow). The CPU
     interpreter wants few, small tiles.
-    From 8 requests of 64 heads the halves scheme replaces this kernel (`_scheme`): its 64 heads
-    per program dequantise each key twice instead of 4 times, 3.4x faster at B = 64.
+    From 4 requests of 64 heads (or one with many entries) the halves scheme replaces this kernel
+    (`_scheme`): its 64 heads per program dequantise each key twice instead of 4 times, 3.4x
+    faster at B = 64.
     """
     if not cuda:
         return max(16, min(64, triton.next_power_of_2(heads))), 16, 4
@@ -348,26 +350,36 @@ def _attention_tiles(heads: int, nch: int, prec: int, cuda: bool) -> tuple[int, 
 #: software-pipelining depth of both passes: 1, the loops pipeline their loads by hand (Triton's
 #: 2 / 3 measured slower: H200, B = 64 CSA 140 / 139 µs vs 107)
 TWO_PASS_STAGES = 1
-#: the fused kernel below this many (request, head) pairs on CUDA, the halves scheme from it
-MANY_ROWS = 8 * 64
+#: the fused kernel below this many (request, head) pairs on CUDA, the halves scheme from it ...
+MANY_ROWS = 4 * 64
+#: ... or from this many compressed keys a request (HCA at 1M: 8,192 entries)
+LONG_KEYS = 4096
 SCHEMES = ("fused", "halves", "two_pass")
 
 
-def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool) -> str:
-    """Default scheme: on CUDA the halves scheme for bf16 operands at D 512 from 8 requests of 64
-    heads, else the fused kernel; the CPU interpreter takes the halves scheme (bf16 operands) or
-    the two-pass one whenever no fused-kernel knob is given, so the tests cover all three.
+def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool, n_comp: int = 0) -> str:
+    """Default scheme: on CUDA the halves scheme for bf16 operands at D 512 from 4 requests of 64
+    heads or from LONG_KEYS compressed keys a request, else the fused kernel; the CPU interpreter
+    takes the halves scheme (bf16 operands) or the two-pass one whenever no fused-kernel knob is
+    given, so the tests cover all three.
 
     H200, Triton 3.6, context 128K, CUDA-graph replays with L2 flushed: the halves scheme against
     the two-pass one (the default before it), µs: B = 64 CSA 77.6 -> 55.1, HCA 105.3 -> 74.0;
-    B = 16 CSA 35.6 -> 27.6, HCA 47.4 -> 31.9; B = 8 CSA 33.8 -> 23.0, HCA 43.8 -> 25.4; the fused
-    kernel wins below (B = 4 CSA 18.7 vs 21.3, HCA 28.3 vs 26.2-32.7; B = 1 CSA 15.0 vs 17.5,
-    HCA 16.2 vs 22.6). The two-pass scheme against the fused kernel, for the record: B = 64 CSA
-    190 -> 91 µs, HCA 302 -> 124.
+    B = 16 CSA 35.6 -> 27.6, HCA 47.4 -> 31.9; B = 8 CSA 33.8 -> 23.0, HCA 43.8 -> 25.4. The
+    two-pass scheme against the fused kernel, for the record: B = 64 CSA 190 -> 91 µs, HCA 302 -> 124.
+    Below 8 requests, since the fp16 operands and the small-grid combine (H200, the op with its
+    combine, `tune_decode.py --only attention`), halves / fused µs: B = 4 128K CSA 19.6 / 21.0,
+    HCA 24.6 / 28.7, 1M HCA 48.2 / 126.2; B = 2 128K CSA 16.0 / 16.5, HCA 20.3 / 20.0, 1M HCA
+    38.5 / 52.9; B = 1 128K CSA 15.0 / 15.6, HCA (1,024 entries) 17.9 / 16.5, 1M HCA (8,192)
+    37.5 / 43.4. The whole layer (`benchmarks/ab_run.sh`, 2 rounds, H200), µs, fused -> halves:
+    HCA 1M B = 4 200.7 -> 125.6, B = 2 130.4 -> 117.4, B = 1 112.4 -> 110.8; CSA 128K B = 4
+    146.6 -> 143.7; but HCA 128K B = 2 97.6 -> 99.1 and CSA 128K B = 1 113.5 -> 114.5 (the op
+    0.6 µs faster): hence 4 requests, or one long one.
     """
     if not cuda:
         return ("halves" if prec == 1 and nch % 2 == 0 else "two_pass") if no_fused_knobs else "fused"
-    return "halves" if prec == 1 and nch >= 8 and nch % 2 == 0 and bsz * heads >= MANY_ROWS else "fused"
+    many = bsz * heads >= MANY_ROWS or n_comp >= LONG_KEYS
+    return "halves" if prec == 1 and nch >= 8 and nch % 2 == 0 and many else "fused"
 
 
 def _two_pass_tiles(nch: int, cuda: bool) -> tuple[int, int, int, int, int]:

@@ -1,6 +1,6 @@
 """Value-halves decode attention for many (request, head) pairs: 64 heads and half of the value
-channels per program, one pass over the keys (the default from 8 requests of 64 heads; see
-`decode_attention._scheme`).
+channels per program, one pass over the keys (the default from 4 requests of 64 heads, or one
+with many entries; see `decode_attention._scheme`).
 
     grid (B * head blocks, 1, S), launched twice (half 0, then half 1): program (b, hb, split) of
     half c runs an online softmax over key tiles split, split + S, ... of one index space (the
