@@ -2,6 +2,7 @@
 (CUDA only): where the time of a step goes, kernel by kernel.
 
     python benchmarks/profile_step.py [--context 131072] [--batches 1,64] [--chunk 8192 (0: no prefill)] [--fp8-weights]
+                                      [--timeline] [--graph]
     ncu --profile-from-start off --clock-control none -k regex:NAME python benchmarks/profile_step.py --ncu ...
 
 Decode: the whole AttentionSubBlock step (Triton ops) at V4-Flash shapes on a synthetic cache
@@ -32,12 +33,20 @@ DEV = torch.device("cuda")
 
 
 NCU = False   # --ncu: no torch profiler; one step inside cudaProfilerStart / Stop for Nsight Compute
+GRAPH = False  # --graph: profile replays of the step captured in a CUDA graph (as the bench times it)
 
 
 def kernel_table(title: str, fn: Callable[[], Any], steps: int = 5, timeline: bool = False) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    if GRAPH:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+        fn()
+        torch.cuda.synchronize()
     if NCU:     # ncu --profile-from-start off: it sees exactly one warm step of each table
         print(f"\n## ncu: {title}")
         torch.cuda.cudart().cudaProfilerStart()
@@ -107,8 +116,9 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true",
                     help="run one warm step per table between cudaProfilerStart / Stop, no torch profiler "
                          "(under `ncu --profile-from-start off`)")
+    ap.add_argument("--graph", action="store_true", help="profile CUDA-graph replays of each decode step")
     args = ap.parse_args()
-    global NCU
+    global NCU, GRAPH
     NCU = args.ncu
     cfg, tpb = bench_config(False)
     blocks = {k: bench_setup.make_block(cfg, i, DEV, 0) for k, i in LAYER_INDEX.items()}
@@ -125,8 +135,11 @@ def main() -> None:
                 blk = blocks[kind]
                 blk.backend = "triton"
                 h = bench_setup.acquire(st.mgr, li, st.batch, "triton")
-                kernel_table(f"decode {kind} layer C={args.context} B={batch}{' FP8 weights' * args.fp8_weights}",
+                GRAPH = args.graph
+                kernel_table(f"decode {kind} layer C={args.context} B={batch}{' FP8 weights' * args.fp8_weights}"
+                             f"{' (graph)' * args.graph}",
                              lambda blk=blk, st=st, h=h: blk(st.x, st.batch, h), timeline=args.timeline)
+                GRAPH = False
             st = None
             torch.cuda.empty_cache()
         n = args.chunk
