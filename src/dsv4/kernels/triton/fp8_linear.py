@@ -47,7 +47,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
     # every row of the program for its codes and converts and scales each x element once for all
     # of them (rows first, the x slice was converted per row, after a shared-memory round trip)
     J: tl.constexpr = BLOCK_K // 128
-    pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     rj = tl.arange(0, J)
@@ -55,8 +54,16 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
     wrow = w_ptr + rn[None, None, :].to(tl.int64) * s_wn
-    acc = tl.zeros([J, 128, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first K step's codes and scales load before the wait (weights: no kernel of the step
+    # writes them), so they stream in while the kernel before this one ends
+    kk = rj[:, None] * 128 + tl.arange(0, 128)[None, :]                       # [J, 128]
+    km = kk < K
+    w0 = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0)
+    sc0 = tl.load(srow + rj, mask=rj * 128 < K, other=0.0)
+    pdl_enter(PDL)
+    xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * sc0[:, None]
+    acc = w0.to(tl.float32) * xs[:, :, None]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rj[:, None] * 128 + tl.arange(0, 128)[None, :]            # [J, 128]
         km = kk < K
         w = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0).to(tl.float32)
