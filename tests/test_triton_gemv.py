@@ -12,21 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear as ref_linear
 from dsv4.kernels.triton import gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check(x: torch.Tensor, w: torch.Tensor) -> None:
-    got = gemv.gemv(x, w)
-    want = x.double() @ w.double().T
+def _check(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> None:
+    got = gemv.gemv(x, w, groups)
+    n, k = w.shape
+    xg = x.double().view(groups, 1, k)          # group g: rows g*N/G.. of w against x's g-th K columns
+    want = torch.bmm(xg, w.double().view(groups, n // groups, k).transpose(1, 2)).view(1, n)
     assert got.shape == (1, w.shape[0]) and got.dtype == x.dtype
     tol = 2e-6 if x.dtype == torch.float32 else 2 ** -7     # bf16: one step at the largest output
     scale = want.abs().max().item()
     err = (got.double() - want).abs().max().item()
     assert err <= tol * scale, f"max error {err:.3g} > {tol * scale:.3g}"
-    torch.testing.assert_close(got.float(), ref_linear(x, w).float(), rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(got.float(), ref_linear(x, w, groups).float(), rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize("n,k", [(37, 1000), (16, 1024), (5, 2050), (64, 96)])
@@ -38,6 +41,30 @@ def test_gemv_matches_reference(n, k, dtype):
     _check(x, w)
     wide = torch.randn(n, k + 24, generator=g).to(DEVICE, dtype)   # rows of a wider matrix, read in place
     _check(x, wide[:, 10:10 + k])
+
+
+@pytest.mark.parametrize("groups,n,k", [(8, 128, 1000), (4, 64, 2050), (2, 32, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_grouped(groups, n, k, dtype):
+    """groups: output group g reads x's g-th K columns (the grouped o_a product); the groups' x
+    slices differ, so reading the wrong one fails."""
+    g = torch.Generator().manual_seed(groups * 31 + n + k)
+    x = torch.randn(1, groups * k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    _check(x, w, groups)
+    with pytest.raises(InputError, match="rows per group"):
+        gemv.gemv(x[:, :k * 32], torch.randn(96, k).to(DEVICE, dtype), 32)     # 3 rows a group
+
+
+@pytest.mark.gpu
+def test_gemv_grouped_v4_o_a():
+    """The o_a product at V4-Flash shapes (8 groups of 1,024 rows, K 4,096) through `linear`."""
+    x = torch.randn(1, 8 * 4096, device="cuda").bfloat16()
+    w = torch.randn(8192, 4096, device="cuda").bfloat16() * 0.02
+    _check(x, w, 8)
+    assert torch.equal(gemv.linear(x, w, 8), gemv.gemv(x, w, 8))
+    x2 = torch.randn(3, 8 * 4096, device="cuda").bfloat16()
+    torch.testing.assert_close(gemv.linear(x2, w, 8), ref_linear(x2, w, 8), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

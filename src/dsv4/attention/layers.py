@@ -34,11 +34,10 @@ def rms_unweighted(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def project(mod: nn.Linear | BlockFP8Linear, x: torch.Tensor, ops: types.SimpleNamespace, groups: int = 1
             ) -> torch.Tensor:
     """mod(x) through an op namespace's kernels: `linear` for a dense weight, `linear_fp8` for FP8
-    blocks (groups: see `linear_fp8`; dense weights take groups = 1 only)."""
+    blocks (groups: see `linear_fp8`)."""
     if isinstance(mod, BlockFP8Linear):
         return ops.linear_fp8(x, mod.weight, mod.weight_scale_inv, groups)
-    assert groups == 1, "grouped dense projections run as a batched GEMM (grouped_output)"
-    return ops.linear(x, mod.weight)
+    return ops.linear(x, mod.weight, groups)
 
 
 def grouped_output(o: torch.Tensor, o_a: nn.Linear | BlockFP8Linear, o_b: nn.Linear | BlockFP8Linear, groups: int,
@@ -51,16 +50,8 @@ def grouped_output(o: torch.Tensor, o_a: nn.Linear | BlockFP8Linear, o_b: nn.Lin
     Returns:
         [T, d]
     """
-    t = o.shape[0]
-    if isinstance(o_a, BlockFP8Linear):             # one launch for every group
-        return project(o_b, project(o_a, o.reshape(t, -1), ops, groups), ops)
-    x = o.reshape(t, groups, -1).transpose(0, 1)                 # [G, T, H*D/G]
-    wa = o_a.weight.view(groups, -1, o_a.weight.shape[-1])       # [G, R_o, H*D/G]
-    # each group's [T, R_o] product lands in its columns of y [T, G, R_o] (a strided batched GEMM
-    # output): no copy between the two GEMMs
-    y = torch.empty(t, groups, wa.shape[1], dtype=o.dtype, device=o.device)
-    torch.bmm(x, wa.transpose(1, 2), out=y.transpose(0, 1))
-    return project(o_b, y.view(t, -1), ops)
+    # one launch for every group: a batched GEMM, or at one row the grouped GEMV
+    return project(o_b, project(o_a, o.reshape(o.shape[0], -1), ops, groups), ops)
 
 
 class FusedProjection:

@@ -7,9 +7,18 @@ import torch
 from dsv4.model.fp8_weights import dequantize_blocks
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N] in x's dtype."""
-    return torch.nn.functional.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [T, G*K] @ weight [N, K]^T -> [T, N] in x's dtype; output group g (N/G columns) reads x's
+    g-th K columns (the grouped o_a projection), as `linear_fp8`. G = 1 is a plain projection."""
+    if groups == 1:
+        return torch.nn.functional.linear(x, weight)
+    t, (n, k) = x.shape[0], weight.shape
+    # each group's [T, N/G] product lands in its columns of y [T, G, N/G] (a strided batched GEMM
+    # output): no copy after the GEMM
+    y = torch.empty(t, groups, n // groups, dtype=x.dtype, device=x.device)
+    torch.bmm(x.reshape(t, groups, k).transpose(0, 1), weight.view(groups, n // groups, k).transpose(1, 2),
+              out=y.transpose(0, 1))
+    return y.view(t, n)
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:

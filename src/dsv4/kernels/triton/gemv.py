@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear as torch_linear
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
@@ -41,9 +42,13 @@ def _tiles(k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, n_group, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    # output group g (n_group rows; a program never straddles two) reads x's g-th K columns
     pdl_enter(PDL)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    x_ptr += (n0 // n_group) * K
+    rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nm = rn < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -56,21 +61,26 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_wn, BLOCK_N: tl.constexpr, BLOCK_K
     tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] (contiguous) @ weight [N, K]^T (rows contiguous, any row stride) -> [1, N] in x's dtype,
-    fp32 accumulation: the stream kernel above."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [1, G*K] (contiguous) @ weight [N, K]^T (rows contiguous, any row stride) -> [1, N] in x's
+    dtype, fp32 accumulation: the stream kernel above. groups: as `reference.linear.linear` (each
+    group's N/G rows a multiple of the row block)."""
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = _tiles(k)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
+    if groups > 1 and (n // groups) % bn:
+        raise InputError(f"gemv: {n // groups} rows per group is not a multiple of the row block {bn}")
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, n // groups, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                         num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear`. One row of x on CUDA (a batch-1 decode
-    step) runs `gemv`; more rows, or the CPU, run the reference's GEMM (cuBLAS is near the bandwidth
-    limit once rows share each weight load)."""
-    if x.shape[0] == 1 and x.is_cuda and weight.stride(-1) == 1 and x.is_contiguous():
-        return gemv(x, weight)
-    return torch_linear(x, weight)
+    step) runs `gemv` (grouped too: the o_a product); more rows, or the CPU, run the reference's
+    GEMM (cuBLAS is near the bandwidth limit once rows share each weight load)."""
+    n, k = weight.shape
+    if (x.shape[0] == 1 and x.is_cuda and weight.stride(-1) == 1 and x.is_contiguous()
+            and (groups == 1 or (n // groups) % _tiles(k)[0] == 0)):
+        return gemv(x, weight, groups)
+    return torch_linear(x, weight, groups)
