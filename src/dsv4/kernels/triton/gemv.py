@@ -9,8 +9,11 @@ kernels plus a reduction kernel for the wide-K projections of V4-Flash (K 4096 /
 First measured (H200, bf16, one call with the L2 flushed, triton.testing.do_bench): the CSA layer's
 fused input projection (N 4160, K 4096) 16.7 µs vs cuBLAS 19.3; the output projection (N 4096,
 K 8192) 26.4 vs 29.2, at the tiles of that time. The tiles now, and the q up-projection's, are in
-`_tiles`. The grouped o_a bmm stays on cuBLAS (these tiles are no faster there).
-"""
+`_tiles`. The grouped o_a product runs here too (`groups`): alone no faster than cuBLAS's batched
+GEMM, but in the step it launches while the attention's combine ends and W_ob's GEMV while it ends
+(programmatic dependent launch): H200, BF16 layer B = 1 CSA 128K 114.0 -> 112.8 µs, HCA 1M 114.8 ->
+111.4 (benchmarks/NOTES.md #116). Loading the first K step's weights before the PDL wait, as the
+FP8 kernel does, made the BF16 layers 4-5 µs slower here (not understood)."""
 
 from __future__ import annotations
 
