@@ -53,7 +53,9 @@ def test_gemv_grouped(groups, n, k, dtype):
     w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
     _check(x, w, groups)
     with pytest.raises(InputError, match="rows per group"):
-        gemv.gemv(x[:, :k * 32], torch.randn(96, k).to(DEVICE, dtype), 32)     # 3 rows a group
+        gemv.gemv(torch.randn(1, 32 * k).to(DEVICE, dtype), torch.randn(96, k).to(DEVICE, dtype), 32)  # 3 a group
+    with pytest.raises(InputError, match="x must be"):
+        gemv.gemv(x[:, :-1], w, groups)                                         # x one column short
 
 
 @pytest.mark.gpu

@@ -71,6 +71,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = _tiles(k)
+    if x.shape != (1, groups * k) or n % groups:
+        raise InputError(f"gemv: x must be [1, {groups} * {k}] and N {n} a multiple of groups {groups}; "
+                         f"got x {list(x.shape)}")
     if groups > 1 and (n // groups) % bn:
         raise InputError(f"gemv: {n // groups} rows per group is not a multiple of the row block {bn}")
     _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, n // groups, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
