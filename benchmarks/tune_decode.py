@@ -201,7 +201,7 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
         elif batch >= 8:
             variants += [dict(scheme="halves", block_n=16), dict(tp, value_splits=1), dict(tp, score_splits=4)]
         else:
-            variants += [dict(tp, value_splits=8)]
+            variants += [dict(tp, value_splits=8)] + [dict(scheme="halves", num_splits=s) for s in (8, 16, 33, 66)]
         if focus:
             variants = focus_variants("attention", batch)
         for kw in variants:
