@@ -200,8 +200,10 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
                          dict(tp, score_splits=3), dict(tp, value_splits=2)]
         elif batch >= 8:
             variants += [dict(scheme="halves", block_n=16), dict(tp, value_splits=1), dict(tp, score_splits=4)]
+            variants += [dict(scheme="halves", num_splits=s) for s in (4, 5, 6)]
         else:
-            variants += [dict(tp, value_splits=8)] + [dict(scheme="halves", num_splits=s) for s in (8, 16, 33, 66)]
+            variants += [dict(tp, value_splits=8)] + [dict(scheme="halves", num_splits=s)
+                                                      for s in (5, 8, 16, 20, 33, 44, 66, 88)]
         if focus:
             variants = focus_variants("attention", batch)
         for kw in variants:

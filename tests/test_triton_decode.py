@@ -37,6 +37,7 @@ from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
 from dsv4.kernels.triton import decode_attention as att
+from dsv4.kernels.triton.decode_attention_halves import HALF_WAVE_TILES, LONG_KEYS, default_splits
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -354,10 +355,23 @@ def test_attention_64_heads_long(kv_format, layer):
 @pytest.mark.gpu
 def test_attention_halves_one_long_request():
     """One request with 4,097 HCA entries (524,417 tokens) takes the halves scheme by default,
-    its keys spread over one split per SM."""
+    its keys spread over half a wave of splits (`default_splits`)."""
     args = attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,))
     assert args[12] >= att.LONG_KEYS
     close(tri.decode_attention(*args), ref.decode_attention(*args), TOL["fp16"])
+
+
+def test_halves_default_splits():
+    """One wave of splits (a program of each half per SM), half a wave for a long request whose
+    wave would leave each split fewer than HALF_WAVE_TILES key tiles; never fewer than one."""
+    long_tiles = (8192 + 128) // 32
+    assert default_splits(132, 1, long_tiles, 8192) == 66          # 1M, B = 1: 260 tiles < 4 x 132
+    assert default_splits(132, 2, long_tiles, 8192) == 33
+    assert default_splits(132, 4, long_tiles, 8192) == 33          # 8 tiles a split: the wave
+    assert default_splits(132, 4, 20, 512) == 33                   # short requests: the wave
+    assert default_splits(132, 1, 4 + 128, LONG_KEYS - 1) == 132
+    assert default_splits(132, 1, HALF_WAVE_TILES * 132, LONG_KEYS) == 132
+    assert default_splits(132, 200, 3, LONG_KEYS) == default_splits(1, 1, 1, LONG_KEYS) == 1
 
 
 @pytest.mark.gpu

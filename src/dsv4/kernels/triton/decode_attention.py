@@ -353,7 +353,7 @@ TWO_PASS_STAGES = 1
 #: the fused kernel below this many (request, head) pairs on CUDA, the halves scheme from it ...
 MANY_ROWS = 4 * 64
 #: ... or from this many compressed keys a request (HCA at 1M: 8,192 entries)
-LONG_KEYS = 4096
+LONG_KEYS = dh.LONG_KEYS
 SCHEMES = ("fused", "halves", "two_pass")
 
 

@@ -210,19 +210,43 @@ def halves_tiles(cuda: bool) -> tuple[int, int]:
     return (32, 4) if cuda else (16, 4)
 
 
+#: a request with this many compressed keys is long (HCA at 1M: 8,192 entries); `decode_attention`
+#: takes the halves scheme for it at any batch
+LONG_KEYS = 4096
+#: a long request's splits keep at least this many key tiles each, else half a wave of splits
+HALF_WAVE_TILES = 4
+
+
+def default_splits(sms: int, rows: int, tiles: int, n_comp: int) -> int:
+    """Key splits per (request, head block) for `rows` of them: one wave (a program of each half
+    per SM), or half a wave (one program per SM) where a long request's tiles would leave each split
+    fewer than HALF_WAVE_TILES: each split's partials (H x D fp32, 128 KB for 64 heads x 512) then
+    outweigh its keys (~21 KB a 32-key tile of fp8_ds) and the combine reading them sets the time.
+
+    H200, HCA, the op with its combine (`tune_decode.py --only attention`), µs by splits: 1M B = 1
+    (260 tiles) 132 37.6, 88 30.6, **66 29.7**, 44 33.0, 33 35.6; 512K B = 2 (132 tiles) 66 31.2,
+    44 28.1, **33 26.0**, 20 32.6; 1M B = 2 66 38.4, **33 36.7**; but 1M B = 4 **33 47.8**, 16
+    62.3, 66 66.7 (8 tiles a split) and 128K B = 16 **8 35.6**, 4 39.4. Short requests keep the
+    wave: CSA 128K B = 4 (20 tiles) 19.5 at 20 splits, 21.0 at 16."""
+    splits = max(1, sms // rows)
+    if n_comp >= LONG_KEYS and tiles < HALF_WAVE_TILES * splits:
+        splits = max(1, splits // 2)
+    return splits
+
+
 def value_halves(q: torch.Tensor, keys: tuple, meta: tuple, strides: tuple, ring: int, window: int, epb: int,
                  max_blocks: int, n_comp: int, qk_scale: float, *, dim: int, nope: int, nch: int, fmt: int, mode: int,
                  native: bool, block_n: int, warps: int, splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch both halves; returns (part [B, S, H, nch * 64] fp32, pml [B, S, H, 2]) for the split
     combine. keys, meta, strides as `decode_attention_2p.two_pass`; q [B, H, D] (read as bf16).
-    splits: key splits per (request, head block); default one wave of each half's programs."""
+    splits: key splits per (request, head block); default `default_splits`."""
     bsz, heads, _ = q.shape
     assert nch % 2 == 0, "two halves of 64-channel chunks"
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
     n_hb = triton.cdiv(heads, block_h)
     tiles = triton.cdiv(ring, block_n) + triton.cdiv(n_comp, block_n)
     if splits is None:
-        splits = max(1, sm_count(q.device) // (bsz * n_hb)) if native else 2
+        splits = default_splits(sm_count(q.device), bsz * n_hb, tiles, n_comp) if native else 2
     splits = max(1, min(splits, tiles))
     part = torch.empty(bsz, splits, heads, nch * 64, dtype=torch.float32, device=q.device)
     pml = torch.empty(bsz, splits, heads, 2, dtype=torch.float32, device=q.device)
