@@ -69,7 +69,7 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
                                  dict(keys_m=False), dict(keys_m=False, prefetch=False),
                                  dict(keys_m=False, block_n=128), dict(keys_m=False, block_n=128, prefetch=False),
                                  dict(keys_m=False, num_warps=8, block_n=128), dict(num_warps=8, block_n=128)]
-    out += [dict(num_programs=n) for n in ((9, 12, 24, 33, 66) if batch >= 64 else (33, 66, 264))]
+    out += [dict(num_programs=n) for n in ((9, 12, 24, 33, 66) if batch >= 64 else (66, 264, 528, 1056, 2112))]
     out += [dict(precision="bf16x2"), dict(precision="bf16x2", keys_m=False)]
     return out
 

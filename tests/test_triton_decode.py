@@ -38,7 +38,7 @@ from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
 from dsv4.kernels.triton import decode_attention as att
 from dsv4.kernels.triton.decode_attention_halves import HALF_WAVE_TILES, LONG_KEYS, default_splits
-from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
+from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION, SCAN_SOME_TILES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SWA, CSA, HCA = 0, 1, 2
@@ -173,6 +173,18 @@ def test_indexer_scores_64_heads_long(fmt):
         close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
         for decode in (0, 1):     # both E2M1 decodes (exact): the same scores
             close(tri.paged_indexer_scores(*args, precision="bf16x2", decode=decode), want, TOL["bf16x2"])
+
+
+@pytest.mark.gpu
+def test_indexer_scores_many_tiles():
+    """Batches of SCAN_SOME_TILES key tiles or more (one request at 1M context) take 8 scan programs
+    per SM instead of 2: a ragged end, tiles past a short request's end, against the reference."""
+    lens = (1, 700_001)
+    args = scores_args("real", "mxfp4", lens, 64)
+    assert len(lens) * -(-args[6] // 64) >= SCAN_SOME_TILES
+    out = tri.paged_indexer_scores(*args)
+    close(out, ref.paged_indexer_scores(*args), scores_tol("mxfp4"))
+    assert torch.isinf(out[0, lens[0] // 4:]).all()
 
 
 # ====================================================================== decode attention

@@ -60,6 +60,10 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 #: (`EntryFormat.round_query`, which `Indexer.queries` applies): both operands are then exact in bf16
 #: and one bf16 dot with fp32 accumulation gives the scores to fp32 rounding. fp8 / nvfp4 queries
 #: carry an fp32 scale that bf16 does not hold: bf16x2. fp32 keys: ieee.
+#: the scan's programs per SM: 16 from this many key tiles in the batch (32 requests at 128K), ...
+SCAN_MANY_TILES = 16384
+#: ... 8 from this many (8 requests at 128K, or one at 1M), else 2
+SCAN_SOME_TILES = 4096
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -183,7 +187,9 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         stiles = triton.cdiv(max_entries, sbn)
         # programs per SM in all (H200, 128K): B = 64 16 per SM (33 per request) 238 µs, 8 per SM 259,
         # 4 per SM 277; B = 8 8 per SM 38.6 µs (16 per SM: 43.5); B = 1 2 per SM 11.0 µs (1/2: 18.3)
-        sper = 16 if bsz >= 32 else (8 if bsz >= 8 else 2)
+        # by the batch's key tiles in all, so one long request scans as a batch of short ones
+        total = bsz * stiles
+        sper = 16 if total >= SCAN_MANY_TILES else (8 if total >= SCAN_SOME_TILES else 2)
         snp = num_programs or (min(stiles, max(1, triton.cdiv(sper * sm_count(q.device), bsz))) if cuda else 2)
         k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
                                      num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
