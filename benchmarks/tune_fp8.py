@@ -39,6 +39,9 @@ GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8
 GEMM_VARIANTS = [(16, 64, 4, 3), (16, 32, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 4),
                  (128, 64, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
 
+# the weights-on-M GEMM (`linear_fp8(swap=True)`): (BLOCK_N, warps, stages), BLOCK_M the batch's power of two
+SWAP_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3)]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -73,6 +76,13 @@ def main() -> int:
             for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
                     lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
+            if 1 < t <= 256:
+                for tiles in SWAP_VARIANTS:
+                    bm = max(16, triton.next_power_of_2(t))
+                    tl_ = (bm, *tiles)
+                    cases[f"fp8 swap {bm}x{tiles[0]} w{tiles[1]} s{tiles[2]}"] = (
+                        lambda x=x, c=codes, s=scale, g=groups, tl_=tl_: linear_fp8(x, c, s, g, tiles=tl_, swap=True),
+                        want)
             if t == 1:
                 out = torch.empty(triton.cdiv(codes.numel(), 8192), device=DEV)
                 cases["read floor (fp8 codes)"] = (lambda c=codes, out=out: plain_read(c.view(torch.uint8), out), None)

@@ -111,6 +111,18 @@ def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
     _assert_close_to_product(y, want, x, codes, scale, groups)
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["rows-on-m", "weights-on-m"])
+@pytest.mark.parametrize("t,n,k,groups", [(3, 200, 300, 1), (40, 256, 256, 2), (5, 64, 1100, 1), (130, 96, 160, 1)])
+def test_triton_linear_fp8_both_gemms(t, n, k, groups, swap):
+    """Both decode-batch GEMMs (`_gemm_kernel`, `_gemm_wt_kernel`) whatever the default for the row
+    count picks: ragged N and K, groups, split K."""
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
+    codes, scale = quantize_blocks(w, "ue8m0")
+    x = torch.randn(t, groups * k, device=DEVICE).to(torch.bfloat16)
+    y = tri_linear_fp8(x, codes, scale, groups, swap=swap)
+    _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
+
+
 def test_prefill_regime_with_fp32_scales_rounds_weights_once():
     """V3-style fp32 scales: over 256 rows W is rounded once to bf16 (2^-9 relative per weight), so
     the output moves by at most 2^-9 of |x| |W|^T beyond the bf16 output rounding."""

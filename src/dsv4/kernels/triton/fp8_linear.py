@@ -10,7 +10,9 @@
                                            scale block (128): the codes converted to x's dtype
                                            (exact: e4m3 fits bf16), one dot, times the block's scale;
                                            too few tiles for the SMs split K (`_k_splits`), the
-                                           fp32 partials summed in split order (`_sum_splits_kernel`)
+                                           fp32 partials summed in split order (`_sum_splits_kernel`).
+                                           17 .. 128 rows: `_gemm_wt_kernel`, the same with the
+                                           weight rows on the dot's M side (`SWAP_ROWS`)
     more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
                                            (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
                                            compute-bound: cuBLAS runs it at ~3x the rate of the
@@ -36,6 +38,12 @@ from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
+#: rows that run the weights-on-M GEMM (`_gemm_wt_kernel`, 64 weight rows x the batch's power of two a
+#: tile). H200, µs, this / `_gemm_kernel` (benchmarks/tune_fp8.py; V4-Flash q_a + kv, CSA q_b, HCA q_b,
+#: o_a, o_b): 64 rows 13.1 / 13.9, 33.1 / 38.0, 24.6 / 28.0, 30.5 / 32.4, 29.2 / 33.3; 128 rows 16.4 /
+#: 20.5, 45.5 / 61.8, 32.9 / 50.8, 42.1 / 51.7, 43.2 / 51.5; 32 rows 11.6 / 11.2, 22.5 / 23.9, 18.9 /
+#: 21.0, 22.6 / 23.8, 23.6 / 24.9; but 16 rows 21.2 / 20.2 (CSA q_b). 128 weight rows a tile: slower.
+SWAP_ROWS = (17, 128)
 
 
 @triton.jit
@@ -103,6 +111,37 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
 
 
 @triton.jit
+def _gemm_wt_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    """y^T tile [BLOCK_N, BLOCK_M] = W[n0 : n0 + BLOCK_N] . x^T: the weight rows on the dot's M side
+    (its register operand, converted where they load), the batch's rows on N (x^T from shared memory).
+    grid (N / BLOCK_N, K splits); BLOCK_N divides 128, so a program's rows share one scale row."""
+    pdl_enter(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(1) * K_SPLIT
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, 128)
+    mm, nm = rm < M, rn < N
+    xg = x_ptr + (n0 // n_group) * K
+    srow = s_ptr + (n0 // 128) * s_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
+        kk = k0 + rk
+        km = kk < K
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0)
+        xt = tl.load(xg + rm[None, :].to(tl.int64) * s_xm + kk[:, None], mask=mm[None, :] & km[:, None], other=0.0)
+        if NATIVE:
+            part = tl.dot(w.to(xt.dtype), xt)
+        else:
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        acc += part * tl.load(srow + k0 // 128)
+    y_tile = y_ptr + tl.program_id(1).to(tl.int64) * s_ys + rm[None, :].to(tl.int64) * s_ym + rn[:, None]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mm[None, :] & nm[:, None])
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr):
     """One [BLOCK_N, 128] tile of W = codes x scale (BLOCK_N divides 128: one scale per tile)."""
     n0 = tl.program_id(0) * BLOCK_N
@@ -156,11 +195,12 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, swap: bool | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
-    warps, stages)."""
+    warps, stages); swap: `_gemm_wt_kernel` (True) or `_gemm_kernel` (False) for 2 .. 256 rows
+    instead of the default by `SWAP_ROWS`."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -184,9 +224,22 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
+    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    if swap if swap is not None else SWAP_ROWS[0] <= t <= SWAP_ROWS[1]:
+        bm, bn, warps, stages = tiles or (max(16, triton.next_power_of_2(t)), 64, 4, 3)
+        bn = _block_n(n_group, groups, bn)
+        tiles_n = triton.cdiv(n, bn)
+        splits, k_split = _k_splits(tiles_n, k, sm_count(x.device) if x.is_cuda else 4)
+        out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
+        _gemm_wt_kernel[(tiles_n, splits)](
+            x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0),
+            scale.stride(0), BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
+        if splits > 1:
+            _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                                             **launch)
+        return y
     bm, bn, warps, stages = tiles or _gemm_tiles(t)
     bn = _block_n(n_group, groups, bn)
-    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     tiles_mn = triton.cdiv(n, bn) * triton.cdiv(t, bm)
     splits, k_split = _k_splits(tiles_mn, k, sm_count(x.device) if x.is_cuda else 4)
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
