@@ -73,9 +73,16 @@ def main() -> int:
                 cases["bf16 bmm (the layer's path)"] = (lambda xg=xg, wg=wg: torch.bmm(xg, wg.transpose(1, 2)),
                                                         torch.bmm(xg.float(), wg.float().transpose(1, 2)))
             cases["fp8 default"] = (lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g), want)
+            if t > 1:
+                for sw in (False, True):
+                    cases[f"fp8 {'weights' if sw else 'rows'}-on-M, Triton's e4m3 conversion"] = (
+                        lambda x=x, c=codes, s=scale, g=groups, sw=sw: linear_fp8(x, c, s, g, swap=sw, asm=False), want)
+                    cases[f"fp8 {'weights' if sw else 'rows'}-on-M, asm conversion"] = (
+                        lambda x=x, c=codes, s=scale, g=groups, sw=sw: linear_fp8(x, c, s, g, swap=sw), want)
             for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
-                    lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
+                    lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles,
+                                                                                    swap=False), want)
             if 1 < t <= 256:
                 for tiles in SWAP_VARIANTS:
                     bm = max(16, triton.next_power_of_2(t))

@@ -123,6 +123,13 @@ def test_triton_linear_fp8_both_gemms(t, n, k, groups, swap):
     _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
 
 
+def test_weights_on_m_gemm_needs_all_rows_in_one_tile():
+    codes, scale = quantize_blocks(torch.randn(128, 128, device=DEVICE))
+    x = torch.randn(40, 128, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(InputError, match="BLOCK_M 32"):
+        tri_linear_fp8(x, codes, scale, swap=True, tiles=(32, 64, 4, 3))
+
+
 def test_prefill_regime_with_fp32_scales_rounds_weights_once():
     """V3-style fp32 scales: over 256 rows W is rounded once to bf16 (2^-9 relative per weight), so
     the output moves by at most 2^-9 of |x| |W|^T beyond the bf16 output rounding."""
@@ -261,7 +268,7 @@ def test_fp8_load_errors():
 # ------------------------------------------------------------------------------------------ GPU
 @_GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 2, 16, 64, 300])
+@pytest.mark.parametrize("t", [1, 2, 16, 64, 200, 300])
 @pytest.mark.parametrize("n,k,groups", [(4160, 4096, 1), (40960, 1024, 1), (8192, 4096, 8), (4096, 8192, 1)])
 def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
     """V4-Flash's FP8 projections (fused input, q up, grouped o_a, o_b) with bf16 activations."""
@@ -270,6 +277,22 @@ def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
     x = torch.randn(t, groups * k, device=dev).to(torch.bfloat16)
     y = tri_linear_fp8(x, codes, scale, groups)
     _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
+
+
+@_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True], ids=["rows-on-m", "weights-on-m"])
+def test_gpu_linear_fp8_every_code_exact(swap):
+    """Every finite e4m3 code through the GEMMs' conversion (`_E4M3X2_TO_BF16` on bf16 x): x the
+    identity, so y is W^T, each entry one exact product: equal to the decoded codes bit for bit."""
+    dev = torch.device("cuda")
+    byte = torch.arange(256 * 128, device=dev).view(256, 128) % 256
+    byte[(byte & 0x7F) == 0x7F] = 0                                                      # NaN codes
+    codes = byte.to(torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.ones(2, 1, device=dev)
+    x = torch.eye(128, device=dev, dtype=torch.bfloat16)
+    y = tri_linear_fp8(x, codes, scale, swap=swap)
+    assert torch.equal(y, codes.float().T.to(torch.bfloat16))
 
 
 @_GPU

@@ -11,8 +11,9 @@
                                            (exact: e4m3 fits bf16), one dot, times the block's scale;
                                            too few tiles for the SMs split K (`_k_splits`), the
                                            fp32 partials summed in split order (`_sum_splits_kernel`).
-                                           17 .. 128 rows: `_gemm_wt_kernel`, the same with the
-                                           weight rows on the dot's M side (`SWAP_ROWS`)
+                                           Up to 128 rows: `_gemm_wt_kernel`, the same with the
+                                           weight rows on the dot's M side (`SWAP_ROWS`); both
+                                           convert the codes by `_E4M3X2_TO_BF16` for bf16 x
     more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
                                            (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
                                            compute-bound: cuBLAS runs it at ~3x the rate of the
@@ -39,11 +40,13 @@ from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
 #: rows that run the weights-on-M GEMM (`_gemm_wt_kernel`, 64 weight rows x the batch's power of two a
-#: tile). H200, µs, this / `_gemm_kernel` (benchmarks/tune_fp8.py; V4-Flash q_a + kv, CSA q_b, HCA q_b,
-#: o_a, o_b): 64 rows 13.1 / 13.9, 33.1 / 38.0, 24.6 / 28.0, 30.5 / 32.4, 29.2 / 33.3; 128 rows 16.4 /
-#: 20.5, 45.5 / 61.8, 32.9 / 50.8, 42.1 / 51.7, 43.2 / 51.5; 32 rows 11.6 / 11.2, 22.5 / 23.9, 18.9 /
-#: 21.0, 22.6 / 23.8, 23.6 / 24.9; but 16 rows 21.2 / 20.2 (CSA q_b). 128 weight rows a tile: slower.
-SWAP_ROWS = (17, 128)
+#: tile; more rows: `_gemm_kernel`). H200, µs, this / `_gemm_kernel` / cuBLAS on the bf16 weights, both
+#: with `_E4M3X2_TO_BF16` (benchmarks/tune_fp8.py; V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b):
+#: 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9, 14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2
+#: / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1 / 25.6, 21.2 / 26.8 / 21.4, 28.3 / 31.7 / 22.8; 128
+#: rows 15.4 / 19.4 / 11.7, 37.2 / 59.2 / 27.1, 27.0 / 47.6 / 22.8, 37.3 / 49.8 / 23.7. 128 weight rows
+#: a tile, or 8 warps: slower.
+SWAP_ROWS = (2, 128)
 
 
 @triton.jit
@@ -81,9 +84,31 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
     tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty), mask=nm)
 
 
+# two e4m3 codes (one 16-bit register) -> a bf16x2, exact: e4m3 -> f16 pair, f16 -> f32 (HADD2.F32 on
+# the FMA pipe), two f32 -> bf16x2. Triton's own conversion goes f16 -> bf16 by the quarter-rate
+# F2F.BF16.F16 (sm_90, Triton 3.6): HCA q_b at 64 rows 26.3 -> 21.2 µs, CSA q_b 27.1 -> 24.2
+_E4M3X2_TO_BF16 = tl.constexpr("""{
+.reg .b16 a0, a1;
+.reg .b32 h;
+.reg .f32 f0, f1;
+cvt.rn.f16x2.e4m3x2 h, $1;
+mov.b32 {a0, a1}, h;
+cvt.f32.f16 f0, a0;
+cvt.f32.f16 f1, a1;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+}""")
+
+
+@triton.jit
+def _to_bf16(w):
+    """e4m3 codes -> bf16, exact (`_E4M3X2_TO_BF16`)."""
+    return tl.inline_asm_elementwise(_E4M3X2_TO_BF16, "=r,h", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, ASM: tl.constexpr,
+                 PDL: tl.constexpr):
     # grid axis 2: the K split (a multiple of 128 codes); with several, y is the fp32 partials [S, M, N]
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
@@ -101,7 +126,9 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
         x = tl.load(xg + rm[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0)
-        if NATIVE:      # bf16 / fp16 x: e4m3 codes are exact in x's dtype
+        if NATIVE and ASM:      # bf16 x: the codes converted by `_E4M3X2_TO_BF16` (exact)
+            part = tl.dot(x, tl.trans(_to_bf16(w)))
+        elif NATIVE:      # fp16 x: e4m3 codes are exact in x's dtype
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         else:           # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -112,10 +139,12 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
 
 @triton.jit
 def _gemm_wt_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, NATIVE: tl.constexpr,
+                    ASM: tl.constexpr, PDL: tl.constexpr):
     """y^T tile [BLOCK_N, BLOCK_M] = W[n0 : n0 + BLOCK_N] . x^T: the weight rows on the dot's M side
     (its register operand, converted where they load), the batch's rows on N (x^T from shared memory).
-    grid (N / BLOCK_N, K splits); BLOCK_N divides 128, so a program's rows share one scale row."""
+    grid (N / BLOCK_N, K splits); BLOCK_N divides 128, so a program's rows share one scale row.
+    EVEN: N a multiple of BLOCK_N and K of 128, so only the batch's rows are masked."""
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     k_lo = tl.program_id(1) * K_SPLIT
@@ -128,11 +157,18 @@ def _gemm_wt_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm,
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
         kk = k0 + rk
-        km = kk < K
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0)
-        xt = tl.load(xg + rm[None, :].to(tl.int64) * s_xm + kk[:, None], mask=mm[None, :] & km[:, None], other=0.0)
-        if NATIVE:
+        if EVEN:
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :])
+            xt = tl.load(xg + rm[None, :].to(tl.int64) * s_xm + kk[:, None], mask=mm[None, :], other=0.0)
+        else:
+            km = kk < K
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
+                        other=0.0)
+            xt = tl.load(xg + rm[None, :].to(tl.int64) * s_xm + kk[:, None], mask=mm[None, :] & km[:, None],
+                         other=0.0)
+        if NATIVE and ASM:
+            part = tl.dot(_to_bf16(w), xt)
+        elif NATIVE:
             part = tl.dot(w.to(xt.dtype), xt)
         else:
             part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
@@ -195,7 +231,8 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, int, int, int] | None = None, swap: bool | None = None) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, swap: bool | None = None,
+               asm: bool = True) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
@@ -227,13 +264,16 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     if swap if swap is not None else SWAP_ROWS[0] <= t <= SWAP_ROWS[1]:
         bm, bn, warps, stages = tiles or (max(16, triton.next_power_of_2(t)), 64, 4, 3)
+        if bm < t:
+            raise InputError(f"the weights-on-M GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
         bn = _block_n(n_group, groups, bn)
         tiles_n = triton.cdiv(n, bn)
         splits, k_split = _k_splits(tiles_n, k, sm_count(x.device) if x.is_cuda else 4)
         out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
         _gemm_wt_kernel[(tiles_n, splits)](
             x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0),
-            scale.stride(0), BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
+            scale.stride(0), BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native,
+            ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps, num_stages=stages, **launch)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                              **launch)
@@ -245,7 +285,8 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
     _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
         x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, num_warps=warps, num_stages=stages, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps,
+        num_stages=stages, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
