@@ -237,7 +237,8 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
     warps, stages); swap: `_gemm_wt_kernel` (True) or `_gemm_kernel` (False) for 2 .. 256 rows
-    instead of the default by `SWAP_ROWS`."""
+    instead of the default by `SWAP_ROWS`; asm=False: Triton's own e4m3 -> bf16 conversion instead of
+    `_E4M3X2_TO_BF16` (tuning)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -262,31 +263,26 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    if swap if swap is not None else SWAP_ROWS[0] <= t <= SWAP_ROWS[1]:
+    by_asm = native and x.dtype == torch.bfloat16 and asm
+    weights_on_m = swap if swap is not None else SWAP_ROWS[0] <= t <= SWAP_ROWS[1]
+    if weights_on_m:
         bm, bn, warps, stages = tiles or (max(16, triton.next_power_of_2(t)), 64, 4, 3)
         if bm < t:
             raise InputError(f"the weights-on-M GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
-        bn = _block_n(n_group, groups, bn)
-        tiles_n = triton.cdiv(n, bn)
-        splits, k_split = _k_splits(tiles_n, k, sm_count(x.device) if x.is_cuda else 4)
-        out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
-        _gemm_wt_kernel[(tiles_n, splits)](
-            x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0),
-            scale.stride(0), BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native,
-            ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps, num_stages=stages, **launch)
-        if splits > 1:
-            _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
-                                                             **launch)
-        return y
-    bm, bn, warps, stages = tiles or _gemm_tiles(t)
+    else:
+        bm, bn, warps, stages = tiles or _gemm_tiles(t)
     bn = _block_n(n_group, groups, bn)
-    tiles_mn = triton.cdiv(n, bn) * triton.cdiv(t, bm)
+    tiles_mn = triton.cdiv(n, bn) * (1 if weights_on_m else triton.cdiv(t, bm))
     splits, k_split = _k_splits(tiles_mn, k, sm_count(x.device) if x.is_cuda else 4)
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
-    _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
-        x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps,
-        num_stages=stages, **launch)
+    args = (x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0))
+    if weights_on_m:
+        _gemm_wt_kernel[(triton.cdiv(n, bn), splits)](
+            *args, BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native, ASM=by_asm,
+            num_warps=warps, num_stages=stages, **launch)
+    else:
+        _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
+            *args, BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, ASM=by_asm, num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
