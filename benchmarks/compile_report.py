@@ -98,8 +98,8 @@ def report(label: str, module: Any, kname: str, call: Any, **gpu_kw: Any) -> Non
     kw = {**gpu_kw, **kw}
     if "NATIVE" in kw:          # the wrappers saw CPU tensors: compile the GPU code path
         kw["NATIVE"] = True
-    if "ASM" in kw:             # the scan's inline-PTX E2M1 decode (mxfp4 on CUDA)
-        kw["ASM"] = kw.get("FMT") == 3
+    if "ASM" in kw:             # inline PTX on CUDA: the scan's E2M1 decode (mxfp4), the FP8 GEMM's conversion
+        kw["ASM"] = kw.get("FMT") == 3 if "FMT" in kw else True
     print(f"{label:<60} {compile_info(cap.fn, args, kw)}", flush=True)
 
 
@@ -198,7 +198,7 @@ def main() -> int:
         from dsv4.kernels.triton import fp8_linear as fl
         from dsv4.model.fp8_weights import quantize_blocks
         for rows, n, k, groups in [(1, 40960, 1024, 1), (1, 8192, 4096, 8), (1, 4096, 8192, 1), (16, 40960, 1024, 1),
-                                   (64, 40960, 1024, 1), (64, 4096, 8192, 1)]:
+                                   (64, 40960, 1024, 1), (64, 4096, 8192, 1), (200, 8192, 4096, 8)]:
             codes, scale = quantize_blocks(torch.randn(n, k) * 0.02)
             x = torch.randn(rows, groups * k).bfloat16()
             kname = "_gemv_kernel" if rows == 1 else "_gemm_kernel"

@@ -36,11 +36,8 @@ SHAPES = [("q_a + kv", 1, 1536, 4096), ("CSA q_b + iq_b", 1, 40960, 1024), ("HCA
           ("o_a (8 groups)", 8, 8192, 4096), ("o_b", 1, 4096, 8192)]
 GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8, 3), (16, 512, 4, 4),
                  (32, 512, 8, 4), (2, 4096, 4, 3), (4, 4096, 8, 2), (8, 512, 4, 4), (16, 256, 4, 4)]
-GEMM_VARIANTS = [(16, 64, 4, 3), (16, 32, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 4),
-                 (128, 64, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)]
-
-# the weights-on-M GEMM (`linear_fp8(swap=True)`): (BLOCK_N, warps, stages), BLOCK_M the batch's power of two
-SWAP_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3)]
+# the decode-batch GEMM: (BLOCK_N, warps, stages), BLOCK_M the batch's power of two
+GEMM_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2)]
 
 
 def main() -> int:
@@ -74,22 +71,12 @@ def main() -> int:
                                                         torch.bmm(xg.float(), wg.float().transpose(1, 2)))
             cases["fp8 default"] = (lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g), want)
             if t > 1:
-                for sw in (False, True):
-                    cases[f"fp8 {'weights' if sw else 'rows'}-on-M, Triton's e4m3 conversion"] = (
-                        lambda x=x, c=codes, s=scale, g=groups, sw=sw: linear_fp8(x, c, s, g, swap=sw, asm=False), want)
-                    cases[f"fp8 {'weights' if sw else 'rows'}-on-M, asm conversion"] = (
-                        lambda x=x, c=codes, s=scale, g=groups, sw=sw: linear_fp8(x, c, s, g, swap=sw), want)
-            for tiles in (GEMV_VARIANTS if t == 1 else GEMM_VARIANTS if t <= 256 else GEMM_VARIANTS[-4:]):
+                cases["fp8 Triton's e4m3 conversion"] = (
+                    lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g, asm=False), want)
+            for tiles in (GEMV_VARIANTS if t == 1 else [(max(16, triton.next_power_of_2(t)), *v) for v in GEMM_VARIANTS]
+                          if t <= 256 else []):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
-                    lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles,
-                                                                                    swap=False), want)
-            if 1 < t <= 256:
-                for tiles in SWAP_VARIANTS:
-                    bm = max(16, triton.next_power_of_2(t))
-                    tl_ = (bm, *tiles)
-                    cases[f"fp8 swap {bm}x{tiles[0]} w{tiles[1]} s{tiles[2]}"] = (
-                        lambda x=x, c=codes, s=scale, g=groups, tl_=tl_: linear_fp8(x, c, s, g, tiles=tl_, swap=True),
-                        want)
+                    lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
             if t == 1:
                 out = torch.empty(triton.cdiv(codes.numel(), 8192), device=DEV)
                 cases["read floor (fp8 codes)"] = (lambda c=codes, out=out: plain_read(c.view(torch.uint8), out), None)

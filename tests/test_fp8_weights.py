@@ -91,11 +91,11 @@ def test_reference_equals_float64_product():
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-# rows: 1 (the GEMV), 2-256 (the GEMM kernel: tiles of 16 / 32 / 64 rows), > 256 (dequantise, then torch's
+# rows: 1 (the GEMV), 2-256 (the GEMM kernel: all rows in one tile of 16 .. 256), > 256 (dequantise, then torch's
 # GEMM); N and K off the 128 block, a group of 16 rows, several groups; K 1100 / 2200: split K (on the CPU,
 # 2 and 4 splits, the last one partial)
 _CASES = [(1, 200, 300, 1), (1, 64, 96, 4), (1, 1, 129, 1), (3, 200, 300, 1), (17, 48, 130, 3), (40, 256, 256, 2),
-          (70, 130, 70, 1), (300, 96, 160, 2), (5, 64, 1100, 1), (2, 32, 2200, 2)]
+          (70, 130, 70, 1), (200, 96, 256, 1), (300, 96, 160, 2), (5, 64, 1100, 1), (2, 32, 2200, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,23 +111,11 @@ def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
     _assert_close_to_product(y, want, x, codes, scale, groups)
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["rows-on-m", "weights-on-m"])
-@pytest.mark.parametrize("t,n,k,groups", [(3, 200, 300, 1), (40, 256, 256, 2), (5, 64, 1100, 1), (130, 96, 160, 1)])
-def test_triton_linear_fp8_both_gemms(t, n, k, groups, swap):
-    """Both decode-batch GEMMs (`_gemm_kernel`, `_gemm_wt_kernel`) whatever the default for the row
-    count picks: ragged N and K, groups, split K."""
-    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
-    codes, scale = quantize_blocks(w, "ue8m0")
-    x = torch.randn(t, groups * k, device=DEVICE).to(torch.bfloat16)
-    y = tri_linear_fp8(x, codes, scale, groups, swap=swap)
-    _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
-
-
-def test_weights_on_m_gemm_needs_all_rows_in_one_tile():
+def test_gemm_needs_all_rows_in_one_tile():
     codes, scale = quantize_blocks(torch.randn(128, 128, device=DEVICE))
     x = torch.randn(40, 128, device=DEVICE).to(torch.bfloat16)
     with pytest.raises(InputError, match="BLOCK_M 32"):
-        tri_linear_fp8(x, codes, scale, swap=True, tiles=(32, 64, 4, 3))
+        tri_linear_fp8(x, codes, scale, tiles=(32, 64, 4, 3))
 
 
 def test_prefill_regime_with_fp32_scales_rounds_weights_once():
@@ -281,17 +269,17 @@ def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
 
 @_GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap", [False, True], ids=["rows-on-m", "weights-on-m"])
-def test_gpu_linear_fp8_every_code_exact(swap):
-    """Every finite e4m3 code through the GEMMs' conversion (`_E4M3X2_TO_BF16` on bf16 x): x the
-    identity, so y is W^T, each entry one exact product: equal to the decoded codes bit for bit."""
+@pytest.mark.parametrize("asm", [True, False], ids=["asm", "triton-cvt"])
+def test_gpu_linear_fp8_every_code_exact(asm):
+    """Every finite e4m3 code through the GEMM's conversion (`_E4M3X2_TO_BF16` on bf16 x, or Triton's):
+    x the identity, so y is W^T, each entry one exact product: equal to the decoded codes bit for bit."""
     dev = torch.device("cuda")
     byte = torch.arange(256 * 128, device=dev).view(256, 128) % 256
     byte[(byte & 0x7F) == 0x7F] = 0                                                      # NaN codes
     codes = byte.to(torch.uint8).view(torch.float8_e4m3fn)
     scale = torch.ones(2, 1, device=dev)
     x = torch.eye(128, device=dev, dtype=torch.bfloat16)
-    y = tri_linear_fp8(x, codes, scale, swap=swap)
+    y = tri_linear_fp8(x, codes, scale, asm=asm)
     assert torch.equal(y, codes.float().T.to(torch.bfloat16))
 
 

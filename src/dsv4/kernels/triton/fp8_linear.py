@@ -6,18 +6,18 @@
                                            slice pre-multiplied by its blocks' scales (a program's
                                            rows share one scale row) once for all of the rows a
                                            thread holds, one reduction at the end
-    2 .. 256 rows (decode batches)         `_gemm_kernel`: BLOCK_M x BLOCK_N tiles, K in steps of one
-                                           scale block (128): the codes converted to x's dtype
-                                           (exact: e4m3 fits bf16), one dot, times the block's scale;
-                                           too few tiles for the SMs split K (`_k_splits`), the
-                                           fp32 partials summed in split order (`_sum_splits_kernel`).
-                                           Up to 128 rows: `_gemm_wt_kernel`, the same with the
-                                           weight rows on the dot's M side (`SWAP_ROWS`); both
-                                           convert the codes by `_E4M3X2_TO_BF16` for bf16 x
+    2 .. 256 rows (decode batches)         `_gemm_kernel`: the weight rows on the dot's M side (64 a
+                                           tile, the register operand, the codes converted where
+                                           they load by `_E4M3X2_TO_BF16`), the batch on N (x^T from
+                                           shared memory, all rows in one tile), K in steps of one
+                                           scale block (128), each step's dot times its scale; too
+                                           few tiles for the SMs split K (`_k_splits`), the fp32
+                                           partials summed in split order (`_sum_splits_kernel`)
     more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
                                            (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
-                                           compute-bound: cuBLAS runs it at ~3x the rate of the
-                                           kernel above (H100, 8K rows: 725-780 vs 255-280 TFLOP/s),
+                                           compute-bound: cuBLAS runs it at ~3x the rate of a
+                                           Triton GEMM on the codes (H100, 8K rows: 725-780 vs
+                                           255-280 TFLOP/s, the batch-on-M form this module had),
                                            and the dequantisation adds ~5% (benchmarks/tune_fp8.py)
 
 Up to 256 rows the weights are exact (W is never rounded). In the prefill regime W is rounded once to
@@ -39,14 +39,6 @@ from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
-#: rows that run the weights-on-M GEMM (`_gemm_wt_kernel`, 64 weight rows x the batch's power of two a
-#: tile; more rows: `_gemm_kernel`). H200, µs, this / `_gemm_kernel` / cuBLAS on the bf16 weights, both
-#: with `_E4M3X2_TO_BF16` (benchmarks/tune_fp8.py; V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b):
-#: 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9, 14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2
-#: / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1 / 25.6, 21.2 / 26.8 / 21.4, 28.3 / 31.7 / 22.8; 128
-#: rows 15.4 / 19.4 / 11.7, 37.2 / 59.2 / 27.1, 27.0 / 47.6 / 22.8, 37.3 / 49.8 / 23.7. 128 weight rows
-#: a tile, or 8 warps: slower.
-SWAP_ROWS = (2, 128)
 
 
 @triton.jit
@@ -107,44 +99,14 @@ def _to_bf16(w):
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, ASM: tl.constexpr,
-                 PDL: tl.constexpr):
-    # grid axis 2: the K split (a multiple of 128 codes); with several, y is the fp32 partials [S, M, N]
-    pdl_enter(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
-    k_lo = tl.program_id(2) * K_SPLIT
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, 128)
-    mm, nm = rm < M, rn < N
-    xg = x_ptr + (n0 // n_group) * K
-    srow = s_ptr + (n0 // 128) * s_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
-        kk = k0 + rk
-        km = kk < K
-        x = tl.load(xg + rm[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0)
-        if NATIVE and ASM:      # bf16 x: the codes converted by `_E4M3X2_TO_BF16` (exact)
-            part = tl.dot(x, tl.trans(_to_bf16(w)))
-        elif NATIVE:      # fp16 x: e4m3 codes are exact in x's dtype
-            part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        else:           # fp32 x, or the CPU interpreter (whose bf16 dot is wrong): exact fp32 products
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        acc += part * tl.load(srow + k0 // 128)
-    y_tile = y_ptr + tl.program_id(2).to(tl.int64) * s_ys + rm[:, None].to(tl.int64) * s_ym + rn[None, :]
-    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
-
-
-@triton.jit
-def _gemm_wt_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, NATIVE: tl.constexpr,
-                    ASM: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, NATIVE: tl.constexpr,
+                 ASM: tl.constexpr, PDL: tl.constexpr):
     """y^T tile [BLOCK_N, BLOCK_M] = W[n0 : n0 + BLOCK_N] . x^T: the weight rows on the dot's M side
-    (its register operand, converted where they load), the batch's rows on N (x^T from shared memory).
-    grid (N / BLOCK_N, K splits); BLOCK_N divides 128, so a program's rows share one scale row.
-    EVEN: N a multiple of BLOCK_N and K of 128, so only the batch's rows are masked."""
+    (its register operand, converted where they load: no shared-memory round trip of the converted
+    codes, which the batch-on-M form paid as the dot's B operand), the batch's M <= BLOCK_M rows on N
+    (x^T from shared memory). grid (N / BLOCK_N, K splits; with several, y is the fp32 partials [S, M,
+    N]); BLOCK_N divides 128, so a program's rows share one scale row. EVEN: N a multiple of BLOCK_N
+    and K of 128, so only the batch's rows are masked. ASM: bf16 x, the codes by `_E4M3X2_TO_BF16`."""
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     k_lo = tl.program_id(1) * K_SPLIT
@@ -231,14 +193,12 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, int, int, int] | None = None, swap: bool | None = None,
-               asm: bool = True) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, asm: bool = True) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
-    warps, stages); swap: `_gemm_wt_kernel` (True) or `_gemm_kernel` (False) for 2 .. 256 rows
-    instead of the default by `SWAP_ROWS`; asm=False: Triton's own e4m3 -> bf16 conversion instead of
-    `_E4M3X2_TO_BF16` (tuning)."""
+    warps, stages) with BLOCK_M >= the rows; asm=False: Triton's own e4m3 -> bf16 conversion instead
+    of `_E4M3X2_TO_BF16` (tuning)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -262,27 +222,17 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
-    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    by_asm = native and x.dtype == torch.bfloat16 and asm
-    weights_on_m = swap if swap is not None else SWAP_ROWS[0] <= t <= SWAP_ROWS[1]
-    if weights_on_m:
-        bm, bn, warps, stages = tiles or (max(16, triton.next_power_of_2(t)), 64, 4, 3)
-        if bm < t:
-            raise InputError(f"the weights-on-M GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
-    else:
-        bm, bn, warps, stages = tiles or _gemm_tiles(t)
+    bm, bn, warps, stages = tiles or _gemm_tiles(t)
+    if bm < t:
+        raise InputError(f"the GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
     bn = _block_n(n_group, groups, bn)
-    tiles_mn = triton.cdiv(n, bn) * (1 if weights_on_m else triton.cdiv(t, bm))
-    splits, k_split = _k_splits(tiles_mn, k, sm_count(x.device) if x.is_cuda else 4)
+    native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    splits, k_split = _k_splits(triton.cdiv(n, bn), k, sm_count(x.device) if x.is_cuda else 4)
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
-    args = (x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0))
-    if weights_on_m:
-        _gemm_wt_kernel[(triton.cdiv(n, bn), splits)](
-            *args, BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native, ASM=by_asm,
-            num_warps=warps, num_stages=stages, **launch)
-    else:
-        _gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(t, bm), splits)](
-            *args, BLOCK_M=bm, BLOCK_N=bn, NATIVE=native, ASM=by_asm, num_warps=warps, num_stages=stages, **launch)
+    _gemm_kernel[(triton.cdiv(n, bn), splits)](
+        x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native,
+        ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
@@ -301,9 +251,16 @@ def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
 
 
 def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: the fewest rows per tile that hold the batch
-    (each code tile is read once per row tile), 64 x 64 beyond; benchmarks/tune_fp8.py, NOTES #98."""
-    return (16 if t <= 16 else 32 if t <= 32 else 64), 64, 4, 3
+    """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: all rows in one tile (the batch's power of
+    two), 64 weight rows; 8 warps for 256 rows (4 spill there). H200, µs, this kernel / the rows-on-M
+    GEMM it replaced (both with `_E4M3X2_TO_BF16`) / cuBLAS on the bf16 weights (benchmarks/tune_fp8.py;
+    V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b): 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9,
+    14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2 / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1
+    / 25.6, 21.2 / 26.8 / 21.4, 28.3 / 31.7 / 22.8; 128 rows 15.4 / 19.4 / 11.7, 37.2 / 59.2 / 27.1,
+    27.0 / 47.6 / 22.8, 37.3 / 49.8 / 23.7; 200 rows 24.5 / 28.8 / 13.2, 72.6 / 112.5 / 33.7, 58.7 /
+    90.1 / 24.4, 72.4 / 81.9 / 26.1. 128 weight rows a tile, or 8 warps below 256 rows: slower."""
+    bm = max(16, triton.next_power_of_2(t))
+    return bm, 64, 8 if bm > 128 else 4, 3
 
 
 def _gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
