@@ -39,6 +39,7 @@ from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
+_SMEM_BUDGET = 224 * 1024   # the GEMM's pipelined tiles stay below Hopper's 227 KB per block
 
 
 @triton.jit
@@ -222,7 +223,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
                                             BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
         return y
-    bm, bn, warps, stages = tiles or _gemm_tiles(t)
+    bm, bn, warps, stages = tiles or _gemm_tiles(t, x.element_size())
     if bm < t:
         raise InputError(f"the GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
     bn = _block_n(n_group, groups, bn)
@@ -250,9 +251,11 @@ def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
     return splits, triton.cdiv(triton.cdiv(k, splits), BLOCK) * BLOCK
 
 
-def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
+def _gemm_tiles(t: int, x_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: all rows in one tile (the batch's power of
-    two), 64 weight rows; 8 warps for 256 rows (4 spill there). H200, µs, this kernel / the rows-on-M
+    two), 64 weight rows; 8 warps for 256 rows (4 spill there). 3 stages, fewer where a stage's x^T
+    tile (128 x BLOCK_M of x_bytes each) would overflow the shared memory (fp32 x at 256 rows: one).
+    H200, µs, this kernel / the rows-on-M
     GEMM it replaced (both with `_E4M3X2_TO_BF16`) / cuBLAS on the bf16 weights (benchmarks/tune_fp8.py;
     V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b): 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9,
     14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2 / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1
@@ -260,7 +263,8 @@ def _gemm_tiles(t: int) -> tuple[int, int, int, int]:
     27.0 / 47.6 / 22.8, 37.3 / 49.8 / 23.7; 200 rows 24.5 / 28.8 / 13.2, 72.6 / 112.5 / 33.7, 58.7 /
     90.1 / 24.4, 72.4 / 81.9 / 26.1. 128 weight rows a tile, or 8 warps below 256 rows: slower."""
     bm = max(16, triton.next_power_of_2(t))
-    return bm, 64, 8 if bm > 128 else 4, 3
+    stage = 128 * (bm * x_bytes + 64)                      # the x^T tile and the codes' [64, 128]
+    return bm, 64, 8 if bm > 128 else 4, max(1, min(3, _SMEM_BUDGET // stage))
 
 
 def _gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
