@@ -255,8 +255,8 @@ def _gemm_tiles(t: int, x_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: all rows in one tile (the batch's power of
     two), 64 weight rows; 8 warps for 256 rows (4 spill there). 3 stages, fewer where a stage's x^T
     tile (128 x BLOCK_M of x_bytes each) would overflow the shared memory (fp32 x at 256 rows: one).
-    H200, µs, this kernel / the rows-on-M
-    GEMM it replaced (both with `_E4M3X2_TO_BF16`) / cuBLAS on the bf16 weights (benchmarks/tune_fp8.py;
+    H200, µs, this kernel / the rows-on-M GEMM it replaced (both with `_E4M3X2_TO_BF16`) / cuBLAS on
+    the bf16 weights (benchmarks/tune_fp8.py;
     V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b): 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9,
     14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2 / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1
     / 25.6, 21.2 / 26.8 / 21.4, 28.3 / 31.7 / 22.8; 128 rows 15.4 / 19.4 / 11.7, 37.2 / 59.2 / 27.1,
