@@ -69,7 +69,8 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
                                  dict(keys_m=False), dict(keys_m=False, prefetch=False),
                                  dict(keys_m=False, block_n=128), dict(keys_m=False, block_n=128, prefetch=False),
                                  dict(keys_m=False, num_warps=8, block_n=128), dict(num_warps=8, block_n=128)]
-    out += [dict(num_programs=n) for n in ((9, 12, 24, 33, 66) if batch >= 64 else (66, 264, 528, 1056, 2112))]
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (1, 2, 4, 8, 16, 32)]    # per SM in all
     out += [dict(precision="bf16x2"), dict(precision="bf16x2", keys_m=False)]
     return out
 
@@ -89,6 +90,15 @@ def filter_candidates(scores: torch.Tensor, k: int, groups: int) -> str:
 def indexer_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep: bool, only: str | None,
                      scores: torch.Tensor, want_top: torch.Tensor, idx: Any, sargs: tuple, base: torch.Tensor) -> None:
     """The top-k variants on the given scores, then (unless only top-k) the indexer scores variants."""
+    if only != "scores":
+        topk_variants(case, batch, quick, focus, scan_sweep, scores, want_top, idx)
+    if only == "topk":
+        return
+    indexer_scores_variants(case, batch, quick, focus, scan_sweep, sargs, base)
+
+
+def topk_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep: bool, scores: torch.Tensor,
+                  want_top: torch.Tensor, idx: Any) -> None:
     attempt("topk", case, "torch int64 packed (reference, before)", lambda: ref.topk_smaller_index(scores, idx.topk),
             lambda o: None if torch.equal(o, want_top) else "differs")
     attempt("topk", case, "torch fp32 topk (not exact)", lambda: torch.topk(scores, idx.topk, dim=1), lambda o: None)
@@ -108,9 +118,10 @@ def indexer_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep
         attempt("topk", case, "triton " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"),
                 lambda kw=kw: topk_mod.topk_smaller_index(scores, idx.topk, **kw),
                 lambda o: None if torch.equal(o, want_top) else f"{(o != want_top).sum().item()} differ")
-    if only == "topk":
-        return
 
+
+def indexer_scores_variants(case: str, batch: int, quick: bool, focus: bool, scan_sweep: bool, sargs: tuple,
+                            base: torch.Tensor) -> None:
     def sc_check(o: torch.Tensor, tol: float = 2e-2) -> str | None:
         e = rel(o, base)
         return None if e < tol else f"err {e:.2g}"
@@ -163,7 +174,7 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
 
     if only != "attention":
         indexer_variants(case, batch, quick, focus, scan_sweep, only, scores, want_top, idx, sargs, base)
-    if only == "topk":
+    if only in ("topk", "scores"):
         return
 
     # ------------------------------------------------------------------ attention
@@ -258,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-only", action="store_true", help="only the prefill compressor variants")
     p.add_argument("--prefill-attention", action="store_true", help="only the prefill attention variants")
     p.add_argument("--prefill-indexer", action="store_true", help="only the prefill indexer variants")
-    p.add_argument("--only", choices=("topk", "attention"), help="only the top-k / attention variants")
+    p.add_argument("--only", choices=("topk", "scores", "attention"),
+                   help="only the top-k / indexer scores / attention variants")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

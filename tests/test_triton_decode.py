@@ -177,7 +177,7 @@ def test_indexer_scores_64_heads_long(fmt):
 
 @pytest.mark.gpu
 def test_indexer_scores_many_tiles():
-    """Batches of SCAN_SOME_TILES key tiles or more (one request at 1M context) take 8 scan programs
+    """Batches of SCAN_SOME_TILES key tiles or more (one request at 1M context) take 4 scan programs
     per SM instead of 2: a ragged end, tiles past a short request's end, against the reference."""
     lens = (1, 700_001)
     args = scores_args("real", "mxfp4", lens, 64)

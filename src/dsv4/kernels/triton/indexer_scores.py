@@ -62,8 +62,8 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 #: carry an fp32 scale that bf16 does not hold: bf16x2. fp32 keys: ieee.
 #: the scan's programs per SM: 16 from this many key tiles in the batch (32 requests at 128K), ...
 SCAN_MANY_TILES = 16384
-#: ... 8 from this many (8 requests at 128K, or one at 1M), else 2
-SCAN_SOME_TILES = 4096
+#: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
+SCAN_SOME_TILES = 2048
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -185,11 +185,13 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
         sbn = block_n or (64 if cuda else 16)
         stiles = triton.cdiv(max_entries, sbn)
-        # programs per SM in all (H200, 128K): B = 64 16 per SM (33 per request) 238 µs, 8 per SM 259,
-        # 4 per SM 277; B = 8 8 per SM 38.6 µs (16 per SM: 43.5); B = 1 2 per SM 11.0 µs (1/2: 18.3)
-        # by the batch's key tiles in all, so one long request scans as a batch of short ones
+        # programs per SM by the batch's key tiles in all, so one long request scans as a batch of short
+        # ones. H200, µs, 2 / 4 / 8 / 16 per SM (tune_decode --scan-sweep, NOTES.md twenty-ninth round):
+        # 128K B = 2 11.0 / 11.2 / 12.8 / 12.9, B = 4 16.2 / 15.2 / 16.6 / 19.5, B = 8 25.3 / 23.2 / 24.3 / 27.1,
+        # B = 16 54.6 / 38.6 / 39.8 / 42.6, 512K B = 1 16.2 / 15.4 / 16.7 / 19.6, B = 8 79.4 / 69.4 / 70.0 /
+        # 71.9, 1M B = 1 25.6 / 23.5 / 24.3 / 27.2; 128K B = 64 (32,768 tiles) 16 per SM 238, 8 per SM 259
         total = bsz * stiles
-        sper = 16 if total >= SCAN_MANY_TILES else (8 if total >= SCAN_SOME_TILES else 2)
+        sper = 16 if total >= SCAN_MANY_TILES else (4 if total >= SCAN_SOME_TILES else 2)
         snp = num_programs or (min(stiles, max(1, triton.cdiv(sper * sm_count(q.device), bsz))) if cuda else 2)
         k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
                                      num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
