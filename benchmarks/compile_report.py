@@ -24,6 +24,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _DT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
        torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float64: "fp64"}
@@ -45,6 +46,8 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
     for name, a in zip(names, args):
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _DT[a.dtype]
+        elif isinstance(a, TensorDescriptor):
+            sig[name] = f"tensordesc<{_DT[a.base.dtype]}[{', '.join(map(str, a.block_shape))}]>"
         elif isinstance(a, bool):
             sig[name] = "i1"
         elif isinstance(a, int):
@@ -201,11 +204,12 @@ def main() -> int:
                                    (64, 40960, 1024, 1), (64, 4096, 8192, 1), (200, 8192, 4096, 8)]:
             codes, scale = quantize_blocks(torch.randn(n, k) * 0.02)
             x = torch.randn(rows, groups * k).bfloat16()
-            kname = "_gemv_kernel" if rows == 1 else "_gemm_kernel"
             tiles = fl._gemv_tiles(n, k) if rows == 1 else fl._gemm_tiles(rows)
-            report(f"linear_fp8 rows={rows} N={n} K={k} groups={groups} tiles={tiles}", fl, kname,
-                   lambda x=x, c=codes, s=scale, g=groups: fl.linear_fp8(x, c, s, g),
-                   num_warps=tiles[2], num_stages=tiles[3])
+            for desc in (False, True) if rows > 1 else (False,):
+                kname = "_gemv_kernel" if rows == 1 else ("_gemm_desc_kernel" if desc else "_gemm_kernel")
+                report(f"linear_fp8 rows={rows} N={n} K={k} groups={groups} tiles={tiles}{' desc' * desc}", fl,
+                       kname, lambda x=x, c=codes, s=scale, g=groups, d=desc: fl.linear_fp8(x, c, s, g, desc=d),
+                       num_warps=tiles[2], num_stages=tiles[3])
     return 0
 
 

@@ -38,6 +38,8 @@ GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8
                  (32, 512, 8, 4), (2, 4096, 4, 3), (4, 4096, 8, 2), (8, 512, 4, 4), (16, 256, 4, 4)]
 # the decode-batch GEMM: (BLOCK_N, warps, stages), BLOCK_M the batch's power of two
 GEMM_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2)]
+# the decode-batch GEMM's K splits (the default `_k_splits` splits while the tiles leave SMs idle)
+SPLIT_VARIANTS = [1, 2, 4, 8]
 
 
 def main() -> int:
@@ -45,6 +47,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", default="1,16,64", help="rows of x (decode batch sizes)")
     ap.add_argument("--prefill", action="store_true", help="also 8192 rows (a prefill chunk) vs cuBLAS bf16")
+    ap.add_argument("--no-tiles", action="store_true", help="skip the tile variants (defaults, splits, descriptors)")
     args = ap.parse_args()
     timer = Timer(OPTS)
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -73,8 +76,17 @@ def main() -> int:
             if t > 1:
                 cases["fp8 Triton's e4m3 conversion"] = (
                     lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g, asm=False), want)
-            for tiles in (GEMV_VARIANTS if t == 1 else [(max(16, triton.next_power_of_2(t)), *v) for v in GEMM_VARIANTS]
-                          if t <= 256 else []):
+            for desc in (False, True) if 1 < t <= 256 else ():
+                d = " descriptors" if desc else ""
+                if desc:
+                    cases["fp8 descriptors (TMA)"] = (
+                        lambda x=x, c=codes, s=scale, g=groups: linear_fp8(x, c, s, g, desc=True), want)
+                for sp in SPLIT_VARIANTS:
+                    cases[f"fp8{d} {sp} K splits"] = (
+                        lambda x=x, c=codes, s=scale, g=groups, sp=sp, desc=desc: linear_fp8(
+                            x, c, s, g, splits=sp, desc=desc), want)
+            for tiles in ([] if args.no_tiles else GEMV_VARIANTS if t == 1
+                          else [(max(16, triton.next_power_of_2(t)), *v) for v in GEMM_VARIANTS] if t <= 256 else []):
                 cases[f"fp8 {'x'.join(map(str, tiles[:2]))} w{tiles[2]} s{tiles[3]}"] = (
                     lambda x=x, c=codes, s=scale, g=groups, tiles=tiles: linear_fp8(x, c, s, g, tiles=tiles), want)
             if t == 1:

@@ -111,6 +111,37 @@ def test_triton_linear_fp8_matches_reference(t, n, k, groups, dtype):
     _assert_close_to_product(y, want, x, codes, scale, groups)
 
 
+# the GEMM's two forms (tensor descriptors, pointer loads) at given K splits: 1, 2 and 4 (9 scale blocks
+# in 4: three splits of 384 codes, none empty), N off the 64-row tile, groups, 129-256 rows in one tile
+_SPLIT_CASES = [(3, 200, 1152, 1), (40, 96, 768, 2), (130, 64, 512, 1), (16, 48, 384, 3)]
+
+
+@pytest.mark.parametrize("desc", [True, False], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("t,n,k,groups", _SPLIT_CASES)
+def test_gemm_forms_and_k_splits(t, n, k, groups, splits, desc):
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
+    codes, scale = quantize_blocks(w, "ue8m0")
+    x = torch.randn(t, groups * k, device=DEVICE).to(torch.bfloat16)
+    assert fp8_linear._descriptors_fit(x, codes)
+    y = tri_linear_fp8(x, codes, scale, groups, splits=splits, desc=desc)
+    _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
+
+
+@pytest.mark.parametrize("rows", [2, 16, 17, 64, 128, 200, 256])
+@pytest.mark.parametrize("tiles,k", [(1, 128), (2, 2200), (24, 4096), (64, 8192), (128, 4096), (640, 1024)])
+def test_k_splits_cover_k_once(rows, tiles, k):
+    """Every split has codes (none empty), together exactly K's scale blocks, and a split the rule makes
+    on its own keeps at least `_SPLIT_MIN_K` codes."""
+    for sms in (4, 132):
+        splits, k_split = fp8_linear._k_splits(tiles, k, rows, sms)
+        assert k_split % 128 == 0 and (splits - 1) * k_split < k <= splits * k_split
+        assert splits == 1 or k_split >= fp8_linear._SPLIT_MIN_K
+        for want in (1, 3, 64):
+            s, ks = fp8_linear._k_splits(tiles, k, rows, sms, want)
+            assert ks % 128 == 0 and (s - 1) * ks < k <= s * ks and s <= want
+
+
 def test_gemm_needs_all_rows_in_one_tile():
     codes, scale = quantize_blocks(torch.randn(128, 128, device=DEVICE))
     x = torch.randn(40, 128, device=DEVICE).to(torch.bfloat16)
@@ -269,17 +300,18 @@ def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
 
 @_GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("desc", [True, False], ids=["descriptors", "pointers"])
 @pytest.mark.parametrize("asm", [True, False], ids=["asm", "triton-cvt"])
-def test_gpu_linear_fp8_every_code_exact(asm):
-    """Every finite e4m3 code through the GEMM's conversion (`_E4M3X2_TO_BF16` on bf16 x, or Triton's):
-    x the identity, so y is W^T, each entry one exact product: equal to the decoded codes bit for bit."""
+def test_gpu_linear_fp8_every_code_exact(asm, desc):
+    """Every finite e4m3 code through the GEMM's conversion (`_E4M3X2_TO_BF16` on bf16 x, or Triton's),
+    either form: x the identity, so y is W^T, each entry one exact product: the decoded codes bit for bit."""
     dev = torch.device("cuda")
     byte = torch.arange(256 * 128, device=dev).view(256, 128) % 256
     byte[(byte & 0x7F) == 0x7F] = 0                                                      # NaN codes
     codes = byte.to(torch.uint8).view(torch.float8_e4m3fn)
     scale = torch.ones(2, 1, device=dev)
     x = torch.eye(128, device=dev, dtype=torch.bfloat16)
-    y = tri_linear_fp8(x, codes, scale, asm=asm)
+    y = tri_linear_fp8(x, codes, scale, asm=asm, desc=desc)
     assert torch.equal(y, codes.float().T.to(torch.bfloat16))
 
 

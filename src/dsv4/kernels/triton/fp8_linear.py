@@ -6,13 +6,16 @@
                                            slice pre-multiplied by its blocks' scales (a program's
                                            rows share one scale row) once for all of the rows a
                                            thread holds, one reduction at the end
-    2 .. 256 rows (decode batches)         `_gemm_kernel`: the weight rows on the dot's M side (64 a
-                                           tile, the register operand, the codes converted where
-                                           they load by `_E4M3X2_TO_BF16`), the batch on N (x^T from
-                                           shared memory, all rows in one tile), K in steps of one
-                                           scale block (128), each step's dot times its scale; too
-                                           few tiles for the SMs split K (`_k_splits`), the fp32
-                                           partials summed in split order (`_sum_splits_kernel`)
+    2 .. 256 rows (decode batches)         `_gemm_desc_kernel`: the weight rows on the dot's M side
+                                           (64 a tile, the register operand, the codes converted by
+                                           `_E4M3X2_TO_BF16`), the batch on N (x^T from shared
+                                           memory, all rows in one tile), both tiles loaded through
+                                           tensor descriptors (TMA), K in steps of one scale block
+                                           (128), each step's dot times its scale; too few tiles for
+                                           the SMs split K (`_k_splits`), the fp32 partials summed
+                                           in split order (`_sum_splits_kernel`). `_gemm_kernel`,
+                                           the same with pointer loads, where descriptors do not fit
+                                           (K off the 128 block, rows not 16-byte aligned)
     more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
                                            (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
                                            compute-bound: cuBLAS runs it at ~3x the rate of a
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.errors import InputError
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
@@ -40,6 +44,7 @@ from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
 _SMEM_BUDGET = 224 * 1024   # the GEMM's pipelined tiles stay below Hopper's 227 KB per block
+_SPLIT_MIN_K = 1024         # codes per K split at least (8 scale blocks: shorter loops lose to their prologue)
 
 
 @triton.jit
@@ -141,6 +146,35 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
 
 
 @triton.jit
+def _gemm_desc_kernel(x_desc, w_desc, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_ys, s_ym, s_sn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr, ASM: tl.constexpr,
+                      PDL: tl.constexpr):
+    """`_gemm_kernel` with the code and x tiles loaded through tensor descriptors (TMA on sm_90): no
+    per-element address or mask arithmetic in the loop, rows past the batch and codes past N read
+    as zeros. Needs K a multiple of 128 (a group's x columns never straddle the next group's)."""
+    pdl_enter(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(1) * K_SPLIT
+    xk = (n0 // n_group) * K
+    srow = s_ptr + (n0 // 128) * s_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
+        w = w_desc.load([n0, k0])
+        xt = x_desc.load([0, xk + k0]).T
+        if NATIVE and ASM:
+            part = tl.dot(_to_bf16(w), xt)
+        elif NATIVE:
+            part = tl.dot(w.to(xt.dtype), xt)
+        else:
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        acc += part * tl.load(srow + k0 // 128)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    y_tile = y_ptr + tl.program_id(1).to(tl.int64) * s_ys + rm[None, :].to(tl.int64) * s_ym + rn[:, None]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_wn, s_sn, BLOCK_N: tl.constexpr):
     """One [BLOCK_N, 128] tile of W = codes x scale (BLOCK_N divides 128: one scale per tile)."""
     n0 = tl.program_id(0) * BLOCK_N
@@ -194,12 +228,14 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, int, int, int] | None = None, asm: bool = True) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, asm: bool = True,
+               splits: int | None = None, desc: bool = True) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
     warps, stages) with BLOCK_M >= the rows; asm=False: Triton's own e4m3 -> bf16 conversion instead
-    of `_E4M3X2_TO_BF16` (tuning)."""
+    of `_E4M3X2_TO_BF16`; splits: the GEMM's K splits instead of `_k_splits`'; desc=False: the GEMM's
+    pointer form even where tensor descriptors fit (tuning, tests)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -228,40 +264,68 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         raise InputError(f"the GEMM holds all {t} rows in one tile: BLOCK_M {bm} is too small")
     bn = _block_n(n_group, groups, bn)
     native = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-    splits, k_split = _k_splits(triton.cdiv(n, bn), k, sm_count(x.device) if x.is_cuda else 4)
+    splits, k_split = _k_splits(triton.cdiv(n, bn), k, t, sm_count(x.device) if x.is_cuda else 4, splits)
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
-    _gemm_kernel[(triton.cdiv(n, bn), splits)](
-        x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native,
-        ASM=native and x.dtype == torch.bfloat16 and asm, num_warps=warps, num_stages=stages, **launch)
+    use_asm = native and x.dtype == torch.bfloat16 and asm
+    if desc and _descriptors_fit(x, codes):
+        _gemm_desc_kernel[(triton.cdiv(n, bn), splits)](
+            TensorDescriptor.from_tensor(x, [bm, BLOCK]), TensorDescriptor.from_tensor(codes, [bn, BLOCK]),
+            scale, out, t, n, k, k_split, n_group, t * n, n, scale.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+            NATIVE=native, ASM=use_asm, num_warps=warps, num_stages=stages, **launch)
+    else:
+        _gemm_kernel[(triton.cdiv(n, bn), splits)](
+            x, codes, scale, out, t, n, k, k_split, n_group, x.stride(0), t * n, n, codes.stride(0), scale.stride(0),
+            BLOCK_M=bm, BLOCK_N=bn, EVEN=n % bn == 0 and k % BLOCK == 0, NATIVE=native, ASM=use_asm,
+            num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
     return y
 
 
-def _k_splits(tiles_mn: int, k: int, sms: int) -> tuple[int, int]:
-    """(splits, codes per split): K is split while the output tiles alone give fewer than two programs
-    per SM and each split keeps at least 4 scale blocks (512 codes). A decode batch's wide-K
-    projections (q_a + kv: 24 tiles of 64 x 64 at 64 rows; W_ob: 64) would otherwise leave most SMs
-    idle; the partials' round trip costs about the weight's bytes at most."""
-    splits = 1
-    while tiles_mn * splits < 2 * sms and k >= 2 * splits * 512:
-        splits *= 2
-    return splits, triton.cdiv(triton.cdiv(k, splits), BLOCK) * BLOCK
+def _descriptors_fit(x: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Tensor descriptors (TMA) need 16-byte aligned bases and row strides; K a multiple of 128 keeps
+    each x tile inside its group's columns."""
+    return (codes.shape[1] % BLOCK == 0 and x.data_ptr() % 16 == 0 and codes.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0 and codes.stride(0) % 16 == 0)
+
+
+def _k_splits(tiles_mn: int, k: int, rows: int, sms: int, want: int | None = None) -> tuple[int, int]:
+    """(splits, codes per split). K is split (in powers of two, each split keeping at least
+    `_SPLIT_MIN_K` codes) while the output tiles leave most SMs idle (fewer programs than half the
+    SMs), then further while the programs stay within two per SM (four at up to 16 rows, where a
+    program's dot is small) and the fp32 partials, written and read again, stay within half the
+    codes' bytes (splits x rows x 8 <= K / 2). want: that many splits instead (tuning), fewer where
+    the last would be empty. H200, descriptor GEMM, µs by splits (benchmarks/tune_fp8.py; the rule's
+    choice in bold): q_a + kv (24 tiles, K 4096) 64 rows 2 14.4, **4 10.8**, 8 11.4; 200 rows 2 25.2,
+    **4 18.2**, 8 22.4; o_a (128 tiles, K 4096) 16 rows 2 16.6, **4 15.5**; 64 rows 1 22.8, **2 19.2**,
+    4 23.4; 128 rows 1 27.2, **2 25.8**, 4 33.4; 200 rows **1 40.5**, 2 49.4; o_b (64 tiles, K 8192)
+    16 rows 2 22.5, 4 16.8, **8 16.8**; 64 rows 2 24.6, **4 19.4**, 8 23.9; 128 rows 2 29.7, **4 29.5**;
+    200 rows 1 74.1, **2 45.5**, 4 52.1; q_b (512-640 tiles): 1 at every row count."""
+    if want:
+        splits = max(1, min(want, triton.cdiv(k, BLOCK)))
+    else:
+        splits = 1
+        most = (4 if rows <= 16 else 2) * sms
+        while k >= 2 * splits * _SPLIT_MIN_K and (
+                tiles_mn * splits < sms // 2
+                or (tiles_mn * 2 * splits <= most and 2 * splits * rows * 16 <= k)):
+            splits *= 2
+    k_split = triton.cdiv(triton.cdiv(k, splits), BLOCK) * BLOCK
+    return triton.cdiv(k, k_split), k_split
 
 
 def _gemm_tiles(t: int, x_bytes: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for 2 .. 256 rows: all rows in one tile (the batch's power of
     two), 64 weight rows; 8 warps for 256 rows (4 spill there). 3 stages, fewer where a stage's x^T
     tile (128 x BLOCK_M of x_bytes each) would overflow the shared memory (fp32 x at 256 rows: one).
-    H200, µs, this kernel / the rows-on-M GEMM it replaced (both with `_E4M3X2_TO_BF16`) / cuBLAS on
-    the bf16 weights (benchmarks/tune_fp8.py;
-    V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b): 16 rows 10.2 / 10.5 / 10.0, 16.8 / 19.3 / 24.9,
-    14.3 / 16.4 / 20.9, 16.2 / 18.2 / 21.0, 17.4 / 19.2 / 23.3; 64 rows 12.4 / 13.7 / 11.4, 24.2 / 37.1
-    / 25.6, 21.2 / 26.8 / 21.4, 28.3 / 31.7 / 22.8; 128 rows 15.4 / 19.4 / 11.7, 37.2 / 59.2 / 27.1,
-    27.0 / 47.6 / 22.8, 37.3 / 49.8 / 23.7; 200 rows 24.5 / 28.8 / 13.2, 72.6 / 112.5 / 33.7, 58.7 /
-    90.1 / 24.4, 72.4 / 81.9 / 26.1. 128 weight rows a tile, or 8 warps below 256 rows: slower."""
+    H200, µs, the descriptor GEMM at `_k_splits`' splits / the pointer GEMM at the earlier splits rule /
+    cuBLAS on the bf16 weights (benchmarks/tune_fp8.py; V4-Flash q_a + kv, CSA q_b, HCA q_b, o_a, o_b):
+    16 rows 10.0 / 9.8 / 10.1, 15.8 / 16.6 / 25.5, 14.0 / 14.2 / 20.6, 15.8 / 15.9 / 21.0, 17.1 / 17.1 /
+    23.9; 64 rows 11.1 / 12.4 / 11.6, 21.4 / 24.0 / 25.5, 19.2 / 21.0 / 21.6, 19.6 / 28.0 / 22.7, 19.7 /
+    28.1 / 25.6; 128 rows 13.4 / 15.2 / 11.9, 32.2 / 37.1 / 27.1, 23.6 / 26.8 / 23.0, 26.9 / 37.0 / 23.8,
+    29.2 / 37.3 / 28.7; 200 rows 18.3 / 24.4 / 13.5, 60.9 / 71.9 / 33.8, 48.8 / 58.5 / 24.5, 41.1 / 73.0
+    / 26.1, 45.5 / 73.7 / 33.1. 128 weight rows a tile, or 8 warps below 256 rows: slower."""
     bm = max(16, triton.next_power_of_2(t))
     stage = 128 * (bm * x_bytes + 64)                      # the x^T tile and the codes' [64, 128]
     return bm, 64, 8 if bm > 128 else 4, max(1, min(3, _SMEM_BUDGET // stage))
