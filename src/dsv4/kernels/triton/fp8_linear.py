@@ -14,8 +14,9 @@
                                            (128), each step's dot times its scale; too few tiles for
                                            the SMs split K (`_k_splits`), the fp32 partials summed
                                            in split order (`_sum_splits_kernel`). `_gemm_kernel`,
-                                           the same with pointer loads, where descriptors do not fit
-                                           (K off the 128 block, rows not 16-byte aligned)
+                                           the same with pointer loads, below `_DESC_MIN_ROWS` rows
+                                           and where descriptors do not fit (K off the 128 block,
+                                           rows not 16-byte aligned)
     more rows (prefill chunks)             `dequantize`: W = codes x scale in x's dtype once
                                            (`_dequant_kernel`), then cuBLAS. A chunk's GEMM is
                                            compute-bound: cuBLAS runs it at ~3x the rate of a
@@ -45,6 +46,11 @@ from dsv4.model.fp8_weights import BLOCK, scale_shape
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
 _SMEM_BUDGET = 224 * 1024   # the GEMM's pipelined tiles stay below Hopper's 227 KB per block
 _SPLIT_MIN_K = 1024         # codes per K split at least (8 scale blocks: shorter loops lose to their prologue)
+# rows from which the GEMM loads through tensor descriptors: H200, µs, pointer / descriptor form at the
+# same splits (benchmarks/tune_fp8.py; q_a + kv, CSA q_b, HCA q_b, o_a, o_b): 2 rows 9.7 / 10.1, 16.3 /
+# 16.7, 14.0 / 14.6, 15.4 / 15.1, 16.5 / 16.4; 8 rows 9.8 / 10.0, 16.4 / 15.7, 14.1 / 13.8, 15.6 / 15.4,
+# 16.8 / 16.5; 64 rows 11.8 / 10.8, 24.0 / 21.1, 21.0 / 18.9, 23.1 / 19.2, 23.1 / 19.4
+_DESC_MIN_ROWS = 8
 
 
 @triton.jit
@@ -229,13 +235,14 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
                tiles: tuple[int, int, int, int] | None = None, asm: bool = True,
-               splits: int | None = None, desc: bool = True) -> torch.Tensor:
+               splits: int | None = None, desc: bool | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
     warps, stages) with BLOCK_M >= the rows; asm=False: Triton's own e4m3 -> bf16 conversion instead
-    of `_E4M3X2_TO_BF16`; splits: the GEMM's K splits instead of `_k_splits`'; desc=False: the GEMM's
-    pointer form even where tensor descriptors fit (tuning, tests)."""
+    of `_E4M3X2_TO_BF16`; splits: the GEMM's K splits instead of `_k_splits`'; desc: the GEMM's
+    descriptor form wherever it fits (True) or its pointer form (False) instead of by the rows
+    (`_DESC_MIN_ROWS`; tuning, tests)."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     n, k = codes.shape
@@ -267,7 +274,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     splits, k_split = _k_splits(triton.cdiv(n, bn), k, t, sm_count(x.device) if x.is_cuda else 4, splits)
     out = y if splits == 1 else torch.empty(splits, t, n, dtype=torch.float32, device=x.device)
     use_asm = native and x.dtype == torch.bfloat16 and asm
-    if desc and _descriptors_fit(x, codes):
+    if (t >= _DESC_MIN_ROWS if desc is None else desc) and _descriptors_fit(x, codes):
         _gemm_desc_kernel[(triton.cdiv(n, bn), splits)](
             TensorDescriptor.from_tensor(x, [bm, BLOCK]), TensorDescriptor.from_tensor(codes, [bn, BLOCK]),
             scale, out, t, n, k, k_split, n_group, t * n, n, scale.stride(0), BLOCK_M=bm, BLOCK_N=bn,
