@@ -37,7 +37,7 @@ SHAPES = [("q_a + kv", 1, 1536, 4096), ("CSA q_b + iq_b", 1, 40960, 1024), ("HCA
 GEMV_VARIANTS = [(4, 2048, 4, 3), (8, 1024, 4, 3), (8, 2048, 8, 3), (16, 1024, 8, 3), (16, 512, 4, 4),
                  (32, 512, 8, 4), (2, 4096, 4, 3), (4, 4096, 8, 2), (8, 512, 4, 4), (16, 256, 4, 4)]
 # the decode-batch GEMM: (BLOCK_N, warps, stages), BLOCK_M the batch's power of two
-GEMM_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2)]
+GEMM_VARIANTS = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2)]
 # the decode-batch GEMM's K splits (the default `_k_splits` splits while the tiles leave SMs idle)
 SPLIT_VARIANTS = [1, 2, 4, 8]
 
