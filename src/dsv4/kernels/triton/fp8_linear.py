@@ -110,6 +110,26 @@ def _to_bf16(w):
 
 
 @triton.jit
+def _block_product(w, xt, NATIVE: tl.constexpr, ASM: tl.constexpr):
+    """One scale block's W tile . x^T in fp32: bf16 / fp16 dots on the converted codes (ASM: bf16 x, the
+    codes by `_E4M3X2_TO_BF16`), else (the interpreter, fp32 x) an exact fp32 dot."""
+    if NATIVE and ASM:
+        part = tl.dot(_to_bf16(w), xt)
+    elif NATIVE:
+        part = tl.dot(w.to(xt.dtype), xt)
+    else:
+        part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    return part
+
+
+@triton.jit
+def _store_tile(y_ptr, acc, rn, rm, M, N, s_ys, s_ym):
+    """The y^T tile [rows rn, batch rm] into y (or K split program_id(1)'s fp32 partials)."""
+    y_tile = y_ptr + tl.program_id(1).to(tl.int64) * s_ys + rm[None, :].to(tl.int64) * s_ym + rn[:, None]
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_ys, s_ym, s_wn, s_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, NATIVE: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
@@ -140,15 +160,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s_xm, s_
                         other=0.0)
             xt = tl.load(xg + rm[None, :].to(tl.int64) * s_xm + kk[:, None], mask=mm[None, :] & km[:, None],
                          other=0.0)
-        if NATIVE and ASM:
-            part = tl.dot(_to_bf16(w), xt)
-        elif NATIVE:
-            part = tl.dot(w.to(xt.dtype), xt)
-        else:
-            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        acc += part * tl.load(srow + k0 // 128)
-    y_tile = y_ptr + tl.program_id(1).to(tl.int64) * s_ys + rm[None, :].to(tl.int64) * s_ym + rn[:, None]
-    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mm[None, :] & nm[:, None])
+        acc += _block_product(w, xt, NATIVE, ASM) * tl.load(srow + k0 // 128)
+    _store_tile(y_ptr, acc, rn, rm, M, N, s_ys, s_ym)
 
 
 @triton.jit
@@ -167,17 +180,8 @@ def _gemm_desc_kernel(x_desc, w_desc, s_ptr, y_ptr, M, N, K, K_SPLIT, n_group, s
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), 128):
         w = w_desc.load([n0, k0])
         xt = x_desc.load([0, xk + k0]).T
-        if NATIVE and ASM:
-            part = tl.dot(_to_bf16(w), xt)
-        elif NATIVE:
-            part = tl.dot(w.to(xt.dtype), xt)
-        else:
-            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        acc += part * tl.load(srow + k0 // 128)
-    rn = n0 + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    y_tile = y_ptr + tl.program_id(1).to(tl.int64) * s_ys + rm[None, :].to(tl.int64) * s_ym + rn[:, None]
-    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[None, :] & (rn < N)[:, None])
+        acc += _block_product(w, xt, NATIVE, ASM) * tl.load(srow + k0 // 128)
+    _store_tile(y_ptr, acc, n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_M), M, N, s_ys, s_ym)
 
 
 @triton.jit
