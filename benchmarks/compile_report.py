@@ -140,11 +140,7 @@ def main() -> int:
                    dict(precision="bf16x2", block_n=128), dict(precision="bf16", block_n=64),
                    dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:
             report(f"scan {kw}", scn, "_indexer_scan_kernel",
-                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, desc=False, **kw))
-        for kw in [dict(precision="bf16", block_n=64), dict(precision="bf16", block_n=64, num_stages=2),
-                   dict(precision="bf16", block_n=32), dict(precision="bf16x2", block_n=64)]:
-            report(f"scan desc {kw}", scn, "_indexer_scan_desc_kernel",
-                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, desc=True, **kw))
+                   lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, **kw))
     if "attention" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

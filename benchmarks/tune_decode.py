@@ -72,10 +72,6 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (1, 2, 4, 8, 16, 32)]    # per SM in all
     out += [dict(precision="bf16x2"), dict(precision="bf16x2", keys_m=False)]
-    # the tiles through tensor descriptors (TMA), Triton's pipeliner at 2-4 stages
-    out += [dict(desc=True), dict(desc=True, num_stages=2), dict(desc=True, num_stages=4),
-            dict(desc=True, block_n=32)]
-    out += [dict(desc=True, num_programs=-(-per_sm * sms // batch)) for per_sm in (2, 4, 8, 16)]
     return out
 
 

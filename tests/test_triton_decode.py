@@ -38,7 +38,6 @@ from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
 from dsv4.kernels.triton import decode_attention as att
 from dsv4.kernels.triton.decode_attention_halves import HALF_WAVE_TILES, LONG_KEYS, default_splits
-from dsv4.kernels.triton.indexer_scan import scan_descriptors
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION, SCAN_SOME_TILES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,22 +153,6 @@ def test_indexer_scores_tiling(block_n, num_programs):
     close(out, ref.paged_indexer_scores(*args), TOL["bf16x2"])
 
 
-@pytest.mark.parametrize("fmt,precision,block_n,num_programs",
-                         [("mxfp4", "bf16", 64, 2), ("mxfp4", "bf16x2", 32, 3), ("nvfp4", "bf16x2", 16, 1),
-                          ("nvfp4", "bf16x2", 64, 5)])
-def test_indexer_scan_descriptors(fmt, precision, block_n, num_programs):
-    """The scan with its tiles loaded through tensor descriptors (one page lookup a tile) gives the
-    pointer kernel's scores bit for bit, -inf past each request's end included."""
-    lens = (3, 128, 129, 257, 1020, 1029, 4097)
-    args = scores_args("real", fmt, lens, 16)
-    views = args[3].typed(args[2])
-    assert scan_descriptors(views["data"], views["scale"], block_n, args[7]) is not None, "no descriptor form"
-    kw = dict(precision=precision, block_n=block_n, num_programs=num_programs)
-    out = tri.paged_indexer_scores(*args, desc=True, **kw)
-    assert torch.equal(out, tri.paged_indexer_scores(*args, desc=False, **kw))
-    close(out, ref.paged_indexer_scores(*args), TOL[precision])
-
-
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_indexer_scores_e2m1_decode_variants(fmt):
     """The fp8-based E2M1 decode (decode=1) gives the same scores as the fp16-based one."""
@@ -190,16 +173,6 @@ def test_indexer_scores_64_heads_long(fmt):
         close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
         for decode in (0, 1):     # both E2M1 decodes (exact): the same scores
             close(tri.paged_indexer_scores(*args, precision="bf16x2", decode=decode), want, TOL["bf16x2"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-def test_indexer_scan_descriptors_64_heads_long(stages):
-    lens = (1, 129, 4097, 20000)
-    args = scores_args("real", "mxfp4", lens, 64)
-    out = tri.paged_indexer_scores(*args, desc=True, num_stages=stages)
-    assert torch.equal(out, tri.paged_indexer_scores(*args, desc=False))
-    close(out, ref.paged_indexer_scores(*args), scores_tol("mxfp4"))
 
 
 @pytest.mark.gpu

@@ -40,10 +40,8 @@ No host reads of device data, grid from static sizes: capturable in a CUDA graph
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
@@ -65,30 +63,17 @@ def _tile_loads(data_ptr, scale_ptr, glob_ptr, page, row, valid, s_dp, s_dr, s_s
                 FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, UNIT: tl.constexpr, UNIT_MUL: tl.constexpr,
                 SCALE_T: tl.constexpr, ASM: tl.constexpr):
     """Key words [N, NW, 1] int32, their group scales [N, NW, 1] fp32 (times 2^UNIT) and the per-key
-    fp32 global scale [N] (nvfp4; 1 for mxfp4) of one tile's keys, through per-key pointers.
+    fp32 global scale [N] (nvfp4; 1 for mxfp4) of one tile's keys.
 
     A key's group scales are one load of SCALE_T (all its scale bytes as one word), split per key
     word in the words' layout: a [N, NW, 1] load of the scale bytes gets a layout of its own (rows
     fastest), and the decoded tile would be converted to it, then stored to shared memory for the
     dot 16 bits at a time and read back transposed (64 STS.U16 per thread per tile)."""
     j = tl.arange(0, NW)[None, :, None]
+    v3 = valid[:, None, None]
     base = data_ptr + page[:, None, None] * s_dp + row[:, None, None] * s_dr
-    words = tl.load(base.to(tl.pointer_type(tl.int32)) + j, mask=valid[:, None, None], other=0)
+    words = tl.load(base.to(tl.pointer_type(tl.int32)) + j, mask=v3, other=0)
     srow = tl.load((scale_ptr + page * s_sp + row * s_sr).to(tl.pointer_type(SCALE_T)), mask=valid, other=0)
-    if FMT == _NVFP4:
-        glob = tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)
-    else:
-        glob = 0.0
-    sc, glob = _tile_scales(srow, glob, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
-    return words, sc, glob
-
-
-@triton.jit
-def _tile_scales(srow, glob_nv, FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, UNIT: tl.constexpr,
-                 UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr):
-    """Each key's scale word srow [N] -> (group scales [N, NW, 1] in the key words' layout, per-key
-    factor [N]: nvfp4's global scale glob_nv, mxfp4's 2^e_max (ASM) or 1)."""
-    j = tl.arange(0, NW)[None, :, None]
     byte = ((srow[:, None, None] >> (8 * (j // WPG)).to(SCALE_T)) & 0xFF).to(tl.int32)
     if FMT == _MXFP4 and ASM:   # per word the bf16x2 bits of 2^(126 + e_g - e_max), per key 2^e_max
         smax = (srow & 0xFF).to(tl.int32)
@@ -99,11 +84,11 @@ def _tile_scales(srow, glob_nv, FMT: tl.constexpr, NW: tl.constexpr, WPG: tl.con
         glob = (smax << 23).to(tl.float32, bitcast=True)
     elif FMT == _MXFP4:   # UE8M0 byte e+127 -> 2^e * 2^UNIT (undoes the decode's 2^-UNIT)
         sc = ((byte + UNIT) << 23).to(tl.float32, bitcast=True)
-        glob = tl.full(srow.shape, 1.0, tl.float32)
+        glob = tl.full(valid.shape, 1.0, tl.float32)
     else:               # e4m3 group scale (keys stay exact in bf16); the global scale multiplies the dot
         sc = byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * UNIT_MUL
-        glob = glob_nv
-    return sc, glob
+        glob = tl.load(glob_ptr + page * s_gp + row * s_gr, mask=valid, other=0.0)
+    return words, sc, glob
 
 
 # One pair of E2M1 codes -> bf16x2: $1 / $2 the key word's even / odd nibbles, one per byte
@@ -160,56 +145,6 @@ def _query_parts(qt, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _request_query(q_ptr, w_ptr, b, s_qb, s_qh, s_wb, w_scale, NATIVE: tl.constexpr, H: tl.constexpr,
-                   BLOCK_H: tl.constexpr, D: tl.constexpr, KEYS_M: tl.constexpr):
-    """Request b's query parts (hi, lo: q^T [D, H] for KEYS_M, else q [H, D]) and head weights [H]."""
-    h = tl.arange(0, BLOCK_H)
-    hmask = h < H
-    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
-    d = tl.arange(0, D)
-    if KEYS_M:      # q^T [D, H]: operand B (shared memory)
-        qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
-    else:           # q [H, D]: operand A (registers)
-        qt = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    qt_hi, qt_lo = _query_parts(qt, NATIVE)
-    return qt_hi, qt_lo, wts
-
-
-@triton.jit
-def _tile_scores(words, sc, gl, qt_hi, qt_lo, wts, out_scale, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, NATIVE: tl.constexpr, KEYS_M: tl.constexpr, ASM: tl.constexpr):
-    """One tile's scores [N]: the keys decoded, S = q . K^T on tensor cores, sum_h w_h ReLU(S) * D^-1/2."""
-    k = _decode_words(words, sc, BLOCK_N, D, ASM)
-    if NATIVE:
-        k = k.to(tl.bfloat16)
-        ip: tl.constexpr = None
-    else:
-        ip: tl.constexpr = "ieee"
-    if KEYS_M:      # S^T [N, H]
-        s = tl.dot(k, qt_hi, input_precision=ip)
-        if PREC == 2:
-            s += tl.dot(k, qt_lo, input_precision=ip)
-        score = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * (gl * out_scale)   # gl > 0: after ReLU
-    else:           # S [H, N]
-        kt = tl.trans(k)
-        s = tl.dot(qt_hi, kt, input_precision=ip)
-        if PREC == 2:
-            s += tl.dot(qt_lo, kt, input_precision=ip)
-        score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * (gl * out_scale)
-    return score
-
-
-@triton.jit
-def _fill_tail(out_row, p0, nt, step, num_tiles, max_entries, BLOCK_N: tl.constexpr):
-    """-inf into this program's tiles past its request's entries (no key bytes read, no lookups)."""
-    ar = tl.arange(0, BLOCK_N)
-    first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
-    for tile in range(first, num_tiles, step):
-        offs = tile * BLOCK_N + ar
-        tl.store(out_row + offs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs < max_entries)
-
-
-@triton.jit
 def _indexer_scan_kernel(
         q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
         s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
@@ -223,7 +158,15 @@ def _indexer_scan_kernel(
     b = tl.program_id(0)
     p0 = tl.program_id(1)
     step = tl.num_programs(1)
-    qt_hi, qt_lo, wts = _request_query(q_ptr, w_ptr, b, s_qb, s_qh, s_wb, w_scale, NATIVE, H, BLOCK_H, D, KEYS_M)
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < H
+    wts = tl.load(w_ptr + b * s_wb + h, mask=hmask, other=0.0).to(tl.float32) * w_scale
+    d = tl.arange(0, D)
+    if KEYS_M:      # q^T [D, H]: operand B (shared memory)
+        qt = tl.load(q_ptr + b * s_qb + h[None, :] * s_qh + d[:, None], mask=hmask[None, :], other=0.0)
+    else:           # q [H, D]: operand A (registers)
+        qt = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    qt_hi, qt_lo = _query_parts(qt, NATIVE)
     n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
     nt = tl.cdiv(n_b, BLOCK_N)
     bt_row = bt_ptr + b * s_bt
@@ -250,54 +193,32 @@ def _indexer_scan_kernel(
             pg, rw = _locate(bt_row, offs, valid, EPB, max_blocks)
             words, sc, gl = _tile_loads(data_ptr, scale_ptr, glob_ptr, pg, rw, valid, s_dp, s_dr, s_sp, s_sr,
                                         s_gp, s_gr, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
-        score = _tile_scores(words, sc, gl, qt_hi, qt_lo, wts, out_scale, BLOCK_N, D, PREC, NATIVE, KEYS_M, ASM)
+        k = _decode_words(words, sc, BLOCK_N, D, ASM)
+        if NATIVE:
+            k = k.to(tl.bfloat16)
+            ip: tl.constexpr = None
+        else:
+            ip: tl.constexpr = "ieee"
+        if KEYS_M:      # S^T [N, H]
+            s = tl.dot(k, qt_hi, input_precision=ip)
+            if PREC == 2:
+                s += tl.dot(k, qt_lo, input_precision=ip)
+            score = tl.sum(tl.maximum(s, 0.0) * wts[None, :], axis=1) * (gl * out_scale)   # gl > 0: after ReLU
+        else:           # S [H, N]
+            kt = tl.trans(k)
+            s = tl.dot(qt_hi, kt, input_precision=ip)
+            if PREC == 2:
+                s += tl.dot(qt_lo, kt, input_precision=ip)
+            score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * (gl * out_scale)
         tl.store(out_row + offs, tl.where(valid, score, float("-inf")), mask=offs < max_entries)
         if PREFETCH:
             words, sc, gl = words_n, sc_n, gl_n
             pg_n, rw_n = pg_nn, rw_nn
-    _fill_tail(out_row, p0, nt, step, num_tiles, max_entries, BLOCK_N)
-
-
-@triton.jit
-def _indexer_scan_desc_kernel(
-        q_ptr, w_ptr, out_ptr, words_desc, scale_desc, glob_ptr, bt_ptr, nent_ptr,
-        s_qb, s_qh, s_wb, s_ob, s_gp, s_gr, s_bt,
-        num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
-        FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
-        D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-        UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr):
-    """`_indexer_scan_kernel` (keys on M) with a tile's key words and scale words loaded through tensor
-    descriptors (TMA on sm_90): a tile is BLOCK_N consecutive rows of one page (EPB % BLOCK_N == 0),
-    so it takes one block-table lookup instead of one per key, and its loads no address arithmetic;
-    Triton's pipeliner keeps STAGES tiles in flight. Rows past the request's entries load whatever
-    the page holds and are masked at the store."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    p0 = tl.program_id(1)
-    step = tl.num_programs(1)
-    qt_hi, qt_lo, wts = _request_query(q_ptr, w_ptr, b, s_qb, s_qh, s_wb, w_scale, NATIVE, H, BLOCK_H, D, True)
-    n_b = tl.minimum(tl.load(nent_ptr + b), max_entries)
-    nt = tl.cdiv(n_b, BLOCK_N)
-    bt_row = bt_ptr + b * s_bt
-    ar = tl.arange(0, BLOCK_N)
-    out_row = out_ptr + b * s_ob
-    for tile in tl.range(p0, nt, step, num_stages=STAGES):
-        w0 = tile * BLOCK_N
-        offs = w0 + ar
-        valid = offs < n_b
-        page = tl.maximum(tl.load(bt_row + tl.minimum(w0 // EPB, max_blocks - 1)), 0)
-        row0 = w0 % EPB
-        words = tl.reshape(words_desc.load([page, row0, 0]), [BLOCK_N, NW, 1])
-        srow = tl.reshape(scale_desc.load([page, row0]), [BLOCK_N]).to(SCALE_T, bitcast=True)
-        if FMT == _NVFP4:
-            glob = tl.load(glob_ptr + page.to(tl.int64) * s_gp + (row0 + ar) * s_gr)
-        else:
-            glob = 0.0
-        sc, gl = _tile_scales(srow, glob, FMT, NW, WPG, UNIT, UNIT_MUL, SCALE_T, ASM)
-        score = _tile_scores(words, sc, gl, qt_hi, qt_lo, wts, out_scale, BLOCK_N, D, PREC, NATIVE, True, ASM)
-        tl.store(out_row + offs, tl.where(valid, score, float("-inf")), mask=offs < max_entries)
-    _fill_tail(out_row, p0, nt, step, num_tiles, max_entries, BLOCK_N)
+    # tiles past this request's entries: -inf only
+    first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
+    for tile in range(first, num_tiles, step):
+        offs = tile * BLOCK_N + ar
+        tl.store(out_row + offs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs < max_entries)
 
 
 _SCALE_WORD = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
@@ -317,49 +238,23 @@ def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
             and scale.data_ptr() % sb == 0 and scale.stride(0) % sb == 0 and scale.stride(1) % sb == 0)
 
 
-_VIEW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def scan_descriptors(data: torch.Tensor, scale: torch.Tensor, block_n: int, epb: int):
-    """(key words, scale words) tensor descriptors of the indexer pool's regions for
-    `_indexer_scan_desc_kernel`, or None where TMA cannot take them: a tile must be rows of one page
-    (epb % block_n == 0), bases 16-byte aligned, page and row strides multiples of 16 bytes."""
-    sb = scale.shape[-1]
-    if (epb % block_n or data.data_ptr() % 16 or scale.data_ptr() % 16 or data.stride(2) != 1 or scale.stride(2) != 1
-            or data.stride(0) % 16 or data.stride(1) % 16 or scale.stride(0) % 16 or scale.stride(1) != sb
-            or data.shape[2] % 16 or block_n * sb < 16):
-        return None
-    words = data.view(torch.int32)                                  # [blocks, epb, D / 8]
-    scales = scale.view(_VIEW_INT[sb])[..., 0]                      # [blocks, epb], one word a key
-    return (TensorDescriptor.from_tensor(words, [1, block_n, words.shape[2]]),
-            TensorDescriptor.from_tensor(scales, [1, block_n]))
-
-
 def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
                 weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool,
-                num_warps: int, num_stages: int | None, asm: bool = True, desc: bool = False):
-    """desc: the descriptor kernel where `scan_descriptors` fits (keys on M; prefetch is then Triton's
-    pipeliner at num_stages, default 3)."""
+                num_warps: int, num_stages: int | None, asm: bool = True):
     heads, dim = q.shape[1], q.shape[2]
     ge = _group_size(fmt_name)                       # elements per scale group
-    consts = dict(FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
-                  BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
-                  UNIT=14, UNIT_MUL=2.0 ** 14, SCALE_T=_SCALE_WORD[dim // ge],
-                  ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **pdl_launch(q.device))
-    descs = scan_descriptors(data, scale, block_n, epb) if desc and keys_m else None
-    if descs is not None:
-        return _indexer_scan_desc_kernel[grid](
-            q, weights, out, *descs, glob, block_table, num_entries,
-            q.stride(0), q.stride(1), weights.stride(0), out.stride(0), glob.stride(0), glob.stride(1),
-            block_table.stride(0), tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
-            STAGES=num_stages or 3, **consts)
     extra = {"num_stages": num_stages} if num_stages else {}
     return _indexer_scan_kernel[grid](
         q, weights, out, data, scale, glob, block_table, num_entries,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
         tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
-        PREFETCH=prefetch, KEYS_M=keys_m, **consts, **extra)
+        FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
+        PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14,
+        SCALE_T=_SCALE_WORD[dim // ge],
+        ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra,
+        **pdl_launch(q.device))
 
 
 @triton.jit

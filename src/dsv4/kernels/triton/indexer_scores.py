@@ -64,8 +64,6 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 SCAN_MANY_TILES = 16384
 #: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
 SCAN_SOME_TILES = 2048
-#: the scan loads its tiles through tensor descriptors by default
-SCAN_DESC = False
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -140,7 +138,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
-                         prefetch: bool = True, keys_m: bool = True, desc: bool | None = None) -> torch.Tensor:
+                         prefetch: bool = True, keys_m: bool = True) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -156,8 +154,6 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             warps, pipeline depth, E2M1 decode variant (tuning).
         scan, prefetch, keys_m: E2M1 keys (mxfp4, nvfp4) at bf16 / bf16x2 run `indexer_scan` (keys on
             the dot's M side, hand-pipelined loads; decode is then unused) unless scan=False (tuning).
-        desc: the scan's key and scale tiles through tensor descriptors (`indexer_scan.scan_descriptors`)
-            where they fit; None: SCAN_DESC.
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -201,7 +197,6 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                                      num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
                                      cuda=cuda,
                                      block_n=sbn, prefetch=prefetch, keys_m=keys_m,
-                                     desc=SCAN_DESC if desc is None else desc,
                                      num_warps=num_warps or 4, num_stages=num_stages)
         note_compile("indexer_scores", k)
         return out
