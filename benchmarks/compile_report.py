@@ -61,7 +61,11 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args)
              if (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
              or (isinstance(a, int) and not isinstance(a, bool) and a % 16 == 0 and a != 0)}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    else:
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:
@@ -89,6 +93,16 @@ def captured(module: Any, name: str):
     setattr(module, name, cap)
     try:
         yield cap
+    finally:
+        setattr(module, name, orig)
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any):
+    orig = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
     finally:
         setattr(module, name, orig)
 
@@ -126,7 +140,7 @@ def main() -> int:
     qi = torch.randn(2, 64, 128)
     g = torch.randn(2, 64)
     sargs = (qi, g, pool.indexer, ifmt, b.block_table, b.seq_lens // 4, b.seq_len_bound // 4, 64)
-    which = sys.argv[1:] or ["scores", "scan", "attention", "topk", "cache", "fp8"]
+    which = sys.argv[1:] or ["scores", "scan", "attention", "topk", "cache", "fp8"]   # or "wide" alone
     if "scores" in which:
         for kw in [dict(precision="bf16x2", block_n=64, num_warps=8), dict(precision="bf16", block_n=64, num_warps=8),
                    dict(precision="bf16", block_n=128, num_warps=8), dict(precision="bf16", block_n=64, num_warps=4),
@@ -141,7 +155,7 @@ def main() -> int:
                    dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:
             report(f"scan {kw}", scn, "_indexer_scan_kernel",
                    lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, **kw))
-    if "attention" in which:
+    if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]
             s2, stt, p2 = mgr.schemas[li], mgr.states[li], mgr.paged[li]
@@ -150,6 +164,16 @@ def main() -> int:
             aargs = (torch.randn(2, 64, 512), stt.swa, s2.kv_format, stt.swa_pos, b.request_slots, b.positions, 128,
                      p2.kv, b.block_table, s2.entries_per_block, sel, ne, b.seq_len_bound // s2.compress_ratio,
                      torch.randn(64), 512 ** -0.5)
+            from dsv4.kernels.triton import decode_attention_wide as dw
+            from dsv4.kernels.triton import decode_combine as dcm
+            with contextlib.ExitStack() as es:        # the wide scheme's checks want a GPU: call it past them
+                es.enter_context(_patched(dw, "supported", lambda *a: True))
+                es.enter_context(_patched(att, "sm_count", lambda dev: 132))
+                es.enter_context(captured(dcm, "_combine_kernel"))         # launched after it: intercepted too
+                report(f"attention wide {kind}", dw, "_wide_kernel",
+                       lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"), num_warps=dw.WARPS)
+            if "attention" not in which:
+                continue
             for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),
                               (64, 16, 8), (64, 16, 16), (16, 32, 4)]:
                 report(f"attention {kind} block_h={bh} block_n={bn} warps={w}", att, "_decode_attn_kernel",

@@ -37,6 +37,7 @@ from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
 from dsv4.kernels.triton import decode_attention as att
+from dsv4.kernels.triton import decode_attention_wide as dw
 from dsv4.kernels.triton.decode_attention_halves import HALF_WAVE_TILES, LONG_KEYS, default_splits
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION, SCAN_SOME_TILES
 
@@ -412,6 +413,44 @@ def test_attention_halves_default(layer):
         args[0].normal_()
         graph.replay()
         close(out, ref.decode_attention(*args), TOL["fp16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+def test_attention_wide(layer):
+    """The wide scheme (Gluon, one 8-warp program per request and split, cp.async-prefetched 64-key
+    tiles) against the reference: ragged lengths across the tile, window and 128 / 256 boundaries,
+    several splits (a split with no tile included), and a CUDA-graph replay after the metadata and the
+    queries change in place."""
+    if not dw.supported(torch.empty(1, 64, 1, device=DEVICE), 512, 448, "fp8_ds"):
+        pytest.skip("the wide scheme needs an sm_90 GPU")
+    lens = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 4097, 20000)
+    args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
+    want = ref.decode_attention(*args)
+    for splits in (None, 1, 5, 40):
+        close(tri.decode_attention(*args, scheme="wide", num_splits=splits), want, TOL["fp16"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.decode_attention(*args, scheme="wide")
+    for shrink in (0, 1, 3):
+        args[5].sub_(shrink)                            # positions
+        if layer == HCA:
+            args[11].copy_((args[5] + 1) // 128)        # num_entries
+        args[0].normal_()
+        graph.replay()
+        close(out, ref.decode_attention(*args), TOL["fp16"])
+
+
+@pytest.mark.gpu
+def test_attention_wide_one_long_request():
+    """One request with 4,097 HCA entries over the default splits, and bf16 queries."""
+    if not dw.supported(torch.empty(1, 64, 1, device=DEVICE), 512, 448, "fp8_ds"):
+        pytest.skip("the wide scheme needs an sm_90 GPU")
+    args = list(attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,)))
+    want = ref.decode_attention(*args)
+    close(tri.decode_attention(*args, scheme="wide"), want, TOL["fp16"])
+    args[0] = args[0].bfloat16()
+    close(tri.decode_attention(*args, scheme="wide"), ref.decode_attention(*args), TOL["fp16"])
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.triton import decode_attention_2p as tp
 from dsv4.kernels.triton import decode_attention_halves as dh
+from dsv4.kernels.triton import decode_attention_wide as dw
 from dsv4.kernels.triton.decode_combine import combine
 from dsv4.kernels.triton.decode_common import (
     FP8_DS_ID,
@@ -204,8 +205,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         block_h, block_n, num_splits, num_warps, num_stages: heads per program, keys per tile, key
         splits per (request, head block), warps, pipeline depth (tuning; defaults per device).
         split_keys: the default num_splits gives each split at least this many keys (SPLIT_KEYS).
-        scheme: "fused" (the kernel below), "halves" (`decode_attention_halves`) or "two_pass"
-        (`decode_attention_2p`); default: see `_scheme`. block_n, num_warps, num_splits are also the
+        scheme: "fused" (the kernel below), "halves" (`decode_attention_halves`), "two_pass"
+        (`decode_attention_2p`) or "wide" (`decode_attention_wide`: fp8_ds, 64 heads, sm_90); default:
+        see `_scheme`. block_n, num_warps, num_splits are also the
         halves scheme's keys per tile, warps and key splits per request;
         score_block_n, score_warps, score_splits: the two-pass pass 1 keys per tile, warps, key splits per
         request; value_block_n, value_block_d, value_warps, value_splits: its pass 2 keys per tile,
@@ -255,6 +257,15 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
     strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
+    if scheme == "wide":
+        nope = kv_fmt.dim - kv_fmt.rope_dim
+        if not dw.supported(q, dim, nope, kv_fmt.name):
+            raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels and 64 heads on an sm_90 GPU")
+        tiles = triton.cdiv(ring, dw.BLOCK_N) + triton.cdiv(n_comp, dw.BLOCK_N)
+        splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles, n_comp), tiles))
+        part, pml = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                                  dim=dim, nope=nope, mode=mode, splits=splits)
+        return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
     if scheme == "halves":
         if prec != 1 or nch % 2:
             raise InputError(f"the halves scheme takes bf16 operands and an even number of 64-channel chunks; "
@@ -354,7 +365,7 @@ TWO_PASS_STAGES = 1
 MANY_ROWS = 4 * 64
 #: ... or from this many compressed keys a request (HCA at 1M: 8,192 entries)
 LONG_KEYS = dh.LONG_KEYS
-SCHEMES = ("fused", "halves", "two_pass")
+SCHEMES = ("fused", "halves", "two_pass", "wide")
 
 
 def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool, n_comp: int = 0) -> str:
