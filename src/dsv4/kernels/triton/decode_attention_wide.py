@@ -36,6 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 # the CTA-wide barrier: `thread_barrier` in Triton 3.6, `barrier` from 3.7
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: keys a tile, warps a program (two warpgroups)
 BLOCK_N = 64
 WARPS = 8
@@ -50,19 +52,31 @@ def _bytes_layout(nc):
 
 
 @gluon.jit
-def _tile_rows(tile, b, slot, t, n_wt, n_c, swa_pos_ptr, idx_ptr, bt_ptr, s_pos, s_idx, s_bt, ring, window, epb,
-               max_blocks, n_comp, ring_kv, ring_rope, ring_sc, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr,
-               s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, MODE: gl.constexpr, LAYOUT: gl.constexpr):
-    """Tile `tile`'s keys [BLOCK_N]: their offsets from the pool's e4m3, rope and scale bases (the
-    ring's rows at ring_* + the request's slot) and ok. One key a thread: the lookups run once per
-    key, not once per copy vector."""
+def _stage_index(tile, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE: gl.constexpr,
+                 LAYOUT: gl.constexpr):
+    """Stage 1 of a tile (three tiles ahead): the loads of its ring positions (window tiles) or
+    selected entry indices (CSA), left in flight. One key a thread."""
+    cw = tile * _BN + gl.arange(0, _BN, layout=LAYOUT)
+    wv = gl.load(swa_pos_ptr + slot * s_pos + cw, mask=(cw < ring) & (tile < n_wt), other=-1)
+    if MODE == 1:
+        ce = cw - n_wt * _BN
+        ev = gl.load(idx_ptr + b * s_idx + ce, mask=(ce >= 0) & (ce < n_comp), other=-1)
+    else:
+        ev = wv
+    return wv, ev
+
+
+@gluon.jit
+def _stage_page(tile, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE: gl.constexpr,
+                LAYOUT: gl.constexpr):
+    """Stage 2 (two tiles ahead): each key's ok and row (ring row or row in its block) from stage 1's
+    values, and the block-table loads, left in flight."""
     cw = tile * _BN + gl.arange(0, _BN, layout=LAYOUT)
     win = tile < n_wt
-    wpos = gl.load(swa_pos_ptr + slot * s_pos + cw, mask=(cw < ring) & win, other=-1)
-    ok_w = (wpos >= 0) & (wpos <= t) & (wpos > t - window)
+    ok_w = (wv >= 0) & (wv <= t) & (wv > t - window)
     ce = cw - n_wt * _BN
     if MODE == 1:
-        we = gl.load(idx_ptr + b * s_idx + ce, mask=(ce >= 0) & (ce < n_comp), other=-1).to(gl.int32)
+        we = ev.to(gl.int32)
         ok_e = we >= 0
     else:
         we = ce
@@ -71,27 +85,26 @@ def _tile_rows(tile, b, slot, t, n_wt, n_c, swa_pos_ptr, idx_ptr, bt_ptr, s_pos,
     if MODE == 0:
         blk = gl.zeros_like(we)
     else:
-        blk = gl.maximum(gl.load(bt_ptr + b * s_bt + gl.minimum(we // epb, max_blocks - 1), mask=ok_e, other=0), 0)
-    page = blk.to(gl.int64)
-    row = (we % epb).to(gl.int64)
-    wrow = cw.to(gl.int64)
-    kv = gl.where(win, ring_kv + slot * s_wkp + wrow * s_wkr, page * s_ckp + row * s_ckr)
-    rope = gl.where(win, ring_rope + slot * s_wrp + wrow * s_wrr, page * s_crp + row * s_crr)
-    sc = gl.where(win, ring_sc + slot * s_wsp + wrow * s_wsr, page * s_csp + row * s_csr)
-    return kv, rope, sc, gl.where(win, ok_w, ok_e)
+        blk = gl.load(bt_ptr + b * s_bt + gl.minimum(we // epb, max_blocks - 1), mask=ok_e & (tile >= n_wt), other=0)
+    return blk, gl.where(win, cw, we % epb), gl.where(win, ok_w, ok_e)
 
 
 @gluon.jit
-def _issue(raw_s, rope_s, tile, b, slot, t, n_wt, n_c, ckv_ptr, crope_ptr, csc_ptr, swa_pos_ptr, bt_ptr, idx_ptr,
-           s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-           ring, window, epb, max_blocks, n_comp, ring_kv, ring_rope, ring_sc,
-           NOPE: gl.constexpr, MODE: gl.constexpr):
-    """cp.async of tile `tile`'s e4m3 bytes into raw_s [BLOCK_N, 8, 64] and its rope into rope_s
-    [BLOCK_N, 64] (one commit group); returns the tile's scale words (a load in flight) and ok."""
-    KL: gl.constexpr = gl.BlockedLayout([1], [32], [_W], [0])
-    kv, rp, sc, ok = _tile_rows(tile, b, slot, t, n_wt, n_c, swa_pos_ptr, idx_ptr, bt_ptr, s_pos, s_idx, s_bt, ring,
-                                window, epb, max_blocks, n_comp, ring_kv, ring_rope, ring_sc, s_wkp, s_wkr, s_wrp,
-                                s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, MODE, KL)
+def _issue(raw_s, rope_s, tile, blk, row, ok, slot, n_wt, ckv_ptr, crope_ptr, csc_ptr,
+           s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+           ring_kv, ring_rope, ring_sc, NOPE: gl.constexpr):
+    """Stage 3 (one tile ahead): cp.async of the tile's e4m3 bytes into raw_s [BLOCK_N, 8, 64] and its
+    rope into rope_s [BLOCK_N, 64] (one commit group), addressed from the pool's bases (the ring's
+    rows at ring_* + the request's slot); returns its scale words (a load in flight) and ok."""
+    win = tile < n_wt
+    page = gl.maximum(blk, 0).to(gl.int64)
+    r = row.to(gl.int64)
+    kv = gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr)
+    rp = gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr)
+    sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
+    # rows start on 16-byte boundaries (the wrapper checks): 16-byte copies
+    kv = gl.multiple_of(kv, 16)
+    rp = gl.multiple_of(rp, 8)
     sw = gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0)
     L8: gl.constexpr = _bytes_layout(8)
     ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L8))
@@ -100,12 +113,12 @@ def _issue(raw_s, rope_s, tile, b, slot, t, n_wt, n_c, ckv_ptr, crope_ptr, csc_p
     d = gl.expand_dims(gl.expand_dims(c, 0), 2) * 64 + gl.expand_dims(gl.expand_dims(j, 0), 1)
     kv3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(kv, ROWS), 1), 2)
     ok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, ROWS), 1), 2)
-    async_copy.async_copy_global_to_shared(raw_s, ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE))
+    _async_load(raw_s, ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE))
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_W, 1], [1, 0])
     jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
     rp2 = gl.expand_dims(gl.convert_layout(rp, gl.SliceLayout(1, RL)), 1)
     okr = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, RL)), 1)
-    async_copy.async_copy_global_to_shared(rope_s, crope_ptr + rp2 + jr, mask=okr & (jr < 64))
+    _async_load(rope_s, crope_ptr + rp2 + jr, mask=okr & (jr < 64))
     async_copy.commit_group()
     return sw, ok
 
@@ -175,17 +188,28 @@ def _wide_kernel(
     acc = gl.zeros([H, D], gl.float32, layout=O_L)
     s0 = gl.zeros([H, _BN], gl.float32, layout=S_L)
 
-    sw, ok = _issue(raw.index(0), rope.index(0), split, b, slot, t, n_wt, n_c, ckv_ptr, crope_ptr, csc_ptr,
-                    swa_pos_ptr, bt_ptr, idx_ptr, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos, s_ckp, s_ckr,
-                    s_crp, s_crr, s_csp, s_csr, s_bt, s_idx, ring, window, epb, max_blocks, n_comp,
-                    ring_kv, ring_rope, ring_sc, NOPE, MODE)
+    KL: gl.constexpr = gl.BlockedLayout([1], [32], [_W], [0])
+    # the three stages of tiles split, split + S, split + 2S before the loop (see _issue)
+    wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
+    blk, row, okp = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
+    sw, ok = _issue(raw.index(0), rope.index(0), split, blk, row, okp, slot, n_wt, ckv_ptr, crope_ptr, csc_ptr,
+                    s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+                    ring_kv, ring_rope, ring_sc, NOPE)
+    wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
+    blk, row, okp = _stage_page(split + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks,
+                                MODE, KL)
+    wv, ev = _stage_index(split + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
+                          MODE, KL)
     for it in range(0, mine):
         stage = it % 2
-        sw_n, ok_n = _issue(raw.index(1 - stage), rope.index(1 - stage), split + (it + 1) * n_split, b, slot, t,
-                            n_wt, n_c, ckv_ptr, crope_ptr, csc_ptr, swa_pos_ptr, bt_ptr, idx_ptr,
-                            s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
-                            s_bt, s_idx, ring, window, epb, max_blocks, n_comp, ring_kv, ring_rope, ring_sc,
-                            NOPE, MODE)
+        tile = split + it * n_split
+        sw_n, ok_n = _issue(raw.index(1 - stage), rope.index(1 - stage), tile + n_split, blk, row, okp, slot, n_wt,
+                            ckv_ptr, crope_ptr, csc_ptr, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr,
+                            s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, ring_kv, ring_rope, ring_sc, NOPE)
+        blk, row, okp = _stage_page(tile + 2 * n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
+                                    max_blocks, MODE, KL)
+        wv, ev = _stage_index(tile + 3 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
+                              MODE, KL)
         async_copy.wait_group(1)        # this tile's copies (the next tile's stay in flight)
         _barrier()             # ... from every thread; and the last tile's MMAs are done with k_s
         _dequant(raw.index(stage), rope.index(stage), k_s, sw, NOPE)
@@ -221,11 +245,15 @@ def _elements_between(ring: torch.Tensor, pool: torch.Tensor) -> int:
     return diff // ring.element_size()
 
 
-def supported(q: torch.Tensor, dim: int, nope: int, fmt_name: str) -> bool:
-    """Whether the wide kernel takes this call: fp8_ds entries of 448 + 64 channels, 64 heads, an
-    sm_90 GPU (warpgroup MMAs)."""
-    return (fmt_name == "fp8_ds" and q.is_cuda and q.shape[1] == 64 and dim == 512 and nope == 448
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
+def supported(q: torch.Tensor, keys: tuple, dim: int, nope: int, fmt_name: str) -> bool:
+    """Whether the wide kernel takes this call: fp8_ds entries of 448 + 64 channels whose e4m3 and rope
+    rows start on 16-byte boundaries (its 16-byte copies), 64 heads, an sm_90 GPU (warpgroup MMAs)."""
+    if not (fmt_name == "fp8_ds" and q.is_cuda and q.shape[1] == 64 and dim == 512 and nope == 448
+            and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    rows = keys[:2] + keys[3:5]          # e4m3 and rope views of the ring and the pool
+    return all(t.data_ptr() % 16 == 0 and all(t.stride(i) * t.element_size() % 16 == 0 for i in (0, 1))
+               for t in rows)
 
 
 def value_wide(q: torch.Tensor, keys: tuple, meta: tuple, strides: tuple, ring: int, window: int, epb: int,
