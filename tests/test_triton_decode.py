@@ -366,8 +366,8 @@ def test_attention_64_heads_long(kv_format, layer):
 
 @pytest.mark.gpu
 def test_attention_halves_one_long_request():
-    """One request with 4,097 HCA entries (524,417 tokens) takes the halves scheme by default,
-    its keys spread over half a wave of splits (`default_splits`)."""
+    """One request with 4,097 HCA entries (524,417 tokens) takes the halves scheme by default (the
+    wide one on sm_90), its keys spread over half a wave of splits (`default_splits`)."""
     args = attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,))
     assert args[12] >= att.LONG_KEYS
     close(tri.decode_attention(*args), ref.decode_attention(*args), TOL["fp16"])

@@ -252,9 +252,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     keys = (wkv, wrope, wsc, ckv, crope, csc)
     if scheme is None:
         scheme = _scheme(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None, n_comp)
-        if scheme == "halves" and bsz * heads >= MANY_ROWS and dw.supported(q, keys, dim, kv_fmt.dim - kv_fmt.rope_dim,
-                                                                             kv_fmt.name):
-            scheme = "wide"     # measured faster from 4 requests (`_scheme`); one long request stays on halves
+        if scheme == "halves" and dw.supported(q, keys, dim, kv_fmt.dim - kv_fmt.rope_dim, kv_fmt.name):
+            scheme = "wide"     # measured faster wherever halves is the default (`_scheme`)
     if scheme not in SCHEMES:
         raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
@@ -266,7 +265,10 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
                              "64 heads on an sm_90 GPU")
         tiles = triton.cdiv(ring, dw.BLOCK_N) + triton.cdiv(n_comp, dw.BLOCK_N)
-        splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles, n_comp), tiles))
+        # the halves scheme's split rule, its tiles counted in its 32 keys (H200, HCA 1M B = 4, µs, wide
+        # at 16 / 33 splits: 52.4 / 37.7; the rule on 64-key tiles gave 16)
+        tiles32 = triton.cdiv(ring, 32) + triton.cdiv(n_comp, 32)
+        splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles32, n_comp), tiles))
         part, pml = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
                                   dim=dim, nope=nope, mode=mode, splits=splits)
         return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
@@ -391,10 +393,12 @@ def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knob
     146.6 -> 143.7; but HCA 128K B = 2 97.6 -> 99.1 and CSA 128K B = 1 113.5 -> 114.5 (the op
     0.6 µs faster): hence 4 requests, or one long one.
 
-    On sm_90 with fp8_ds entries and 64 heads `decode_attention` takes the wide scheme instead of
-    halves from 4 requests (`decode_attention_wide`; H200, 128K, the op with its combine, halves /
-    wide µs: B = 64 CSA 60.2 / 43.5, HCA 79.9 / 60.2; B = 16 CSA 30.3 / 25.5, HCA 35.3 / 30.1;
-    B = 4 CSA 19.5 / 17.2, HCA 24.5 / 19.8).
+    On sm_90 with fp8_ds entries and 64 heads `decode_attention` takes the wide scheme wherever this
+    picks halves (`decode_attention_wide`; H200, the op with its combine, halves / wide µs: 128K
+    B = 64 CSA 60.4 / 42.9, HCA 80.2 / 59.3; B = 16 CSA 30.6 / 26.2, HCA 35.3 / 30.4; B = 4 CSA
+    19.9 / 17.7, HCA 24.7 / 20.0; one long request, HCA 1M B = 1 29.9 / 28.0, B = 2 36.7 / 32.8,
+    B = 4 47.7 / 37.7). CSA below 4 requests keeps the fused kernel (B = 1, µs, fused / halves /
+    wide: 15.6 / 15.0 / 16.5).
     """
     if not cuda:
         return ("halves" if prec == 1 and nch % 2 == 0 else "two_pass") if no_fused_knobs else "fused"
