@@ -1,7 +1,10 @@
 """Triton twin of `reference.decode.decode_attention`: sink attention of one query token per request.
 
-Three schemes. From 4 requests of 64 heads, or one request with 4,096 entries or more (bf16
-operands, D 512), the halves one in
+Four schemes. On sm_90, for fp8_ds entries and 64 heads, wherever the halves scheme would be the
+default: the wide one in `decode_attention_wide` (Gluon: 64 heads and all 512 channels in one
+8-warp program, cp.async-prefetched 64-key tiles; B = 64 128K CSA 43 µs, HCA 59 µs). Else from
+4 requests of 64 heads, or one request with 4,096 entries or more (bf16 operands, D 512), the
+halves one in
 `decode_attention_halves` (64 heads and half of the value channels per program, one pass; see
 `_scheme` for the H200 numbers: B = 64 128K CSA 55 µs, HCA 74 µs); its dots take fp8_ds keys as
 fp16 operands, with q and p in fp16 (exact keys, rounding finer than bf16's:
