@@ -386,6 +386,21 @@ def test_halves_default_splits():
     assert default_splits(132, 200, 3, LONG_KEYS) == default_splits(1, 1, 1, LONG_KEYS) == 1
 
 
+def graph_replay_matches(args: list, layer: int, scheme: str) -> None:
+    """decode_attention(scheme) captured once in a CUDA graph replays to the reference after the
+    positions (and HCA's entry counts) shrink and the queries change in place."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.decode_attention(*args, scheme=scheme)
+    for shrink in (0, 1, 3):
+        args[5].sub_(shrink)                            # positions
+        if layer == HCA:
+            args[11].copy_((args[5] + 1) // 128)        # num_entries
+        args[0].normal_()
+        graph.replay()
+        close(out, ref.decode_attention(*args), TOL["fp16"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
 def test_attention_halves_default(layer):
@@ -403,16 +418,7 @@ def test_attention_halves_default(layer):
     close(tri.decode_attention(*args), want, TOL["fp16"])
     for splits in (1, 5, 40):
         close(tri.decode_attention(*args, scheme="halves", num_splits=splits), want, TOL["fp16"])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri.decode_attention(*args, scheme="halves")
-    for shrink in (0, 1, 3):
-        args[5].sub_(shrink)                            # positions
-        if layer == HCA:
-            args[11].copy_((args[5] + 1) // 128)        # num_entries
-        args[0].normal_()
-        graph.replay()
-        close(out, ref.decode_attention(*args), TOL["fp16"])
+    graph_replay_matches(args, layer, "halves")
 
 
 @pytest.mark.gpu
@@ -431,16 +437,7 @@ def test_attention_wide(layer):
         close(tri.decode_attention(*args, scheme="wide", num_splits=splits), want, TOL["fp16"])
     # the default from 4 requests of 64 heads
     assert torch.equal(tri.decode_attention(*args), tri.decode_attention(*args, scheme="wide"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri.decode_attention(*args, scheme="wide")
-    for shrink in (0, 1, 3):
-        args[5].sub_(shrink)                            # positions
-        if layer == HCA:
-            args[11].copy_((args[5] + 1) // 128)        # num_entries
-        args[0].normal_()
-        graph.replay()
-        close(out, ref.decode_attention(*args), TOL["fp16"])
+    graph_replay_matches(args, layer, "wide")
 
 
 @pytest.mark.gpu
