@@ -428,8 +428,9 @@ def test_attention_wide(layer):
     tiles) against the reference: ragged lengths across the tile, window and 128 / 256 boundaries,
     several splits (a split with no tile included), and a CUDA-graph replay after the metadata and the
     queries change in place."""
-    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9):
-        pytest.skip("the wide scheme needs an sm_90 GPU")
+    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
+            and att.dw.GLUON_OK):
+        pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
     lens = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 4097, 20000)
     args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
     want = ref.decode_attention(*args)
@@ -443,8 +444,9 @@ def test_attention_wide(layer):
 @pytest.mark.gpu
 def test_attention_wide_one_long_request():
     """One request with 4,097 HCA entries over the default splits, and bf16 queries."""
-    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9):
-        pytest.skip("the wide scheme needs an sm_90 GPU")
+    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
+            and att.dw.GLUON_OK):
+        pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
     args = list(attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,)))
     want = ref.decode_attention(*args)
     close(tri.decode_attention(*args, scheme="wide"), want, TOL["fp16"])

@@ -37,8 +37,12 @@ from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.triton import decode_attention_2p as tp
 from dsv4.kernels.triton import decode_attention_halves as dh
-from dsv4.kernels.triton import decode_attention_wide as dw
 from dsv4.kernels.triton.decode_combine import combine
+
+try:        # the wide scheme is written in Gluon, which a Triton before 3.4 lacks: the other schemes then
+    from dsv4.kernels.triton import decode_attention_wide as dw
+except ImportError:
+    dw = None
 from dsv4.kernels.triton.decode_common import (
     FP8_DS_ID,
     LOG2E,
@@ -255,7 +259,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     keys = (wkv, wrope, wsc, ckv, crope, csc)
     if scheme is None:
         scheme = _scheme(bsz, heads, nch, prec, cuda, block_h is None and num_splits is None, n_comp)
-        if scheme == "halves" and dw.supported(q, keys, dim, kv_fmt.dim - kv_fmt.rope_dim, kv_fmt.name):
+        if scheme == "halves" and dw is not None and dw.supported(q, keys, dim, kv_fmt.dim - kv_fmt.rope_dim,
+                                                                   kv_fmt.name):
             scheme = "wide"     # measured faster wherever halves is the default (`_scheme`)
     if scheme not in SCHEMES:
         raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
@@ -264,9 +269,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
     if scheme == "wide":
         nope = kv_fmt.dim - kv_fmt.rope_dim
-        if not dw.supported(q, keys, dim, nope, kv_fmt.name):
+        if dw is None or not dw.supported(q, keys, dim, nope, kv_fmt.name):
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
-                             "64 heads on an sm_90 GPU")
+                             "64 heads on an sm_90 GPU, with Triton 3.6 or later")
         tiles = triton.cdiv(ring, dw.BLOCK_N) + triton.cdiv(n_comp, dw.BLOCK_N)
         # the halves scheme's split rule, its tiles counted in its 32 keys (H200, HCA 1M B = 4, µs, wide
         # at 16 / 33 splits: 52.4 / 37.7; the rule on 64-key tiles gave 16)

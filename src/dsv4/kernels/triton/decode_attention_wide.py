@@ -37,6 +37,7 @@ benchmarks/NOTES.md, thirtieth round.
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
@@ -45,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+#: Gluon's API as written here: Triton 3.6 (measured) to 3.9 (compiled); earlier ones differ
+GLUON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 #: keys a tile, warps a program (two warpgroups)
 BLOCK_N = 64
 WARPS = 8
@@ -254,8 +257,9 @@ def _elements_between(ring: torch.Tensor, pool: torch.Tensor) -> int:
 
 def supported(q: torch.Tensor, keys: tuple, dim: int, nope: int, fmt_name: str) -> bool:
     """Whether the wide kernel takes this call: fp8_ds entries of 448 + 64 channels whose e4m3 and rope
-    rows start on 16-byte boundaries (its 16-byte copies), 64 heads, an sm_90 GPU (warpgroup MMAs)."""
-    if not (fmt_name == "fp8_ds" and q.is_cuda and q.shape[1] == 64 and dim == 512 and nope == 448
+    rows start on 16-byte boundaries (its 16-byte copies), 64 heads, an sm_90 GPU (warpgroup MMAs),
+    Triton 3.6 or later."""
+    if not (GLUON_OK and fmt_name == "fp8_ds" and q.is_cuda and q.shape[1] == 64 and dim == 512 and nope == 448
             and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     rows = keys[:2] + keys[3:5]          # e4m3 and rope views of the ring and the pool
