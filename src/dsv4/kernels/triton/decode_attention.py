@@ -41,8 +41,9 @@ from dsv4.kernels.triton.decode_combine import combine
 
 try:        # the wide scheme is written in Gluon, which a Triton before 3.4 lacks: the other schemes then
     from dsv4.kernels.triton import decode_attention_wide as dw
+    from dsv4.kernels.triton import decode_attention_ws as dws
 except ImportError:
-    dw = None
+    dw = dws = None
 from dsv4.kernels.triton.decode_common import (
     FP8_DS_ID,
     LOG2E,
@@ -267,7 +268,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
     strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
-    if scheme == "wide":
+    if scheme in ("wide", "wide_ws"):
         nope = kv_fmt.dim - kv_fmt.rope_dim
         if dw is None or not dw.supported(q, keys, dim, nope, kv_fmt.name):
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
@@ -277,8 +278,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         # at 16 / 33 splits: 52.4 / 37.7; the rule on 64-key tiles gave 16)
         tiles32 = triton.cdiv(ring, 32) + triton.cdiv(n_comp, 32)
         splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles32, n_comp), tiles))
-        part, pml = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
-                                  dim=dim, nope=nope, mode=mode, splits=splits)
+        value = dw.value_wide if scheme == "wide" else dws.value_ws
+        part, pml = value(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                          dim=dim, nope=nope, mode=mode, splits=splits)
         return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
     if scheme == "halves":
         if prec != 1 or nch % 2:
@@ -379,7 +381,7 @@ TWO_PASS_STAGES = 1
 MANY_ROWS = 4 * 64
 #: ... or from this many compressed keys a request (HCA at 1M: 8,192 entries)
 LONG_KEYS = dh.LONG_KEYS
-SCHEMES = ("fused", "halves", "two_pass", "wide")
+SCHEMES = ("fused", "halves", "two_pass", "wide", "wide_ws")
 
 
 def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool, n_comp: int = 0) -> str:

@@ -1,0 +1,86 @@
+"""Where the wide decode attention's time goes at V4-Flash shapes (CUDA): the op (kernel + split
+combine), the kernel alone, the kernel with no key tile (its fixed cost: q, the epilogue's partial
+stores, launch), and the combine alone, per scheme and split count.
+
+    CTX=131072 BATCHES=64 SCHEMES="wide;wide_ws" SPLITS="1,2" KINDS="csa,hca" python benchmarks/wide_phases.py
+
+Times are CUDA-graph replays with the L2 flushed (`dsv4.bench.timing.Timer`), µs.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from dsv4.bench import setup as bs
+from dsv4.bench.common import LAYER_INDEX, bench_config
+from dsv4.bench.decode import random_selection
+from dsv4.bench.timing import Timer
+from dsv4.kernels.triton import decode_attention as att
+from dsv4.kernels.triton import decode_combine as dcm
+
+
+def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int,
+            sinks: torch.Tensor) -> tuple[float, ...]:
+    """µs of the op, its kernel (the arguments the op passed, caught by a spy), the kernel with no
+    key tile (ring 0, no entries: every split's loop empty), and the combine of its partials."""
+    seen = {}
+    real = getattr(mod, name)
+
+    def spy(*a, **kw):
+        seen["args"], seen["kw"] = a, kw
+        seen["out"] = real(*a, **kw)
+        return seen["out"]
+
+    setattr(mod, name, spy)
+    try:
+        op = timer.time(lambda: att.decode_attention(*aargs, scheme=scheme, num_splits=splits), graph=True)
+    finally:
+        setattr(mod, name, real)
+    a, kw = seen["args"], seen["kw"]
+    kernel = timer.time(lambda: real(*a, **kw), graph=True)
+    empty = a[:4] + (0,) + a[5:8] + (0,) + a[9:]
+    fixed = timer.time(lambda: real(*empty, **kw), graph=True)
+    part, pml = seen["out"]
+    comb = timer.time(lambda: dcm.combine(part, pml, sinks, None, None, 512, 8, True), graph=True)
+    return op.us, kernel.us, fixed.us, comb.us
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    ctx = int(os.environ.get("CTX", 131072))
+    batches = [int(x) for x in os.environ.get("BATCHES", "64").split(",")]
+    schemes = os.environ.get("SCHEMES", "wide;wide_ws").split(";")
+    splits = [int(x) for x in os.environ.get("SPLITS", "1,2").split(",")]
+    timer = Timer(types.SimpleNamespace(device=dev, warmup_ms=10, rep_ms=50, host_warmup=3, host_reps=15, graph=True))
+    cfg, tpb = bench_config(False)
+    values = {"wide": (att.dw, "value_wide"), "wide_ws": (att.dws, "value_ws")}
+    for bsz in batches:
+        st = bs.build_decode_state(cfg, context=ctx, batch=bsz, device=dev, tokens_per_block=tpb,
+                                   kv_format="fp8_ds", indexer_format="mxfp4")
+        mgr, b = st.mgr, st.batch
+        for kind in os.environ.get("KINDS", "csa,hca").split(","):
+            li = LAYER_INDEX[kind]
+            sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+            g = torch.Generator(device=dev).manual_seed(1)
+            sel = random_selection(bsz, (ctx - 1) // 4, 512, dev, g) if kind == "csa" else None
+            ne = None if kind == "csa" else b.seq_lens // sch.compress_ratio
+            q = torch.randn(bsz, 64, 512, device=dev, generator=g).to(torch.bfloat16)
+            sinks = torch.randn(64, device=dev, generator=g)
+            aargs = (q, stt.swa, sch.kv_format, stt.swa_pos, b.request_slots, b.positions, 128, pool.kv,
+                     b.block_table, sch.entries_per_block, sel, ne, b.seq_len_bound // sch.compress_ratio, sinks,
+                     512 ** -0.5)
+            for label in schemes:
+                mod, name = values[label]
+                scheme = label
+                for s in splits:
+                    op, kernel, fixed, comb = _phases(timer, mod, name, aargs, scheme, s, sinks)
+                    print(f"{kind} B={bsz} C={ctx} {label:12} splits={s}: op {op:6.1f}  kernel {kernel:6.1f}"
+                          f"  no-tile kernel {fixed:6.1f}  combine {comb:6.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
