@@ -22,7 +22,12 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from dsv4.kernels.triton.decode_attention_wide import _BN, _barrier, _elements_between, _stage_index, _stage_page
 
@@ -32,35 +37,50 @@ REGS = (160, 152)
 MAXNREG = 168
 
 @gluon.constexpr_function
-def _chunk_layout(nc):
-    """[BLOCK_N, nc, 64] e4m3 bytes over one warpgroup: 16 consecutive bytes a thread."""
-    return gl.BlockedLayout([1, 1, 16], [32 // (4 * nc), nc, 4], [4, 1, 1], [2, 1, 0])
+def _chunks():
+    """[BLOCK_N, 2, 64]: two 64-channel chunks of e4m3 bytes a row over one warpgroup, 16 consecutive
+    bytes of each chunk a thread (four threads a row, eight rows a warp, two rows a thread)."""
+    return gl.BlockedLayout([1, 2, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rope():
+    """[BLOCK_N, 2, 32] bf16 rope: its halves over the same threads and rows as `_chunks`."""
+    return gl.BlockedLayout([1, 2, 8], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rows():
+    """One value a key row (lookups, masks, scale words), held by the threads that load the row."""
+    return gl.SliceLayout(1, gl.SliceLayout(2, _chunks()))
 
 
 @gluon.jit
-def _load_chunks(ckv_ptr, kv, ok, C0: gl.constexpr, NC: gl.constexpr):
-    """The e4m3 bytes of 64-channel chunks C0 .. C0 + NC - 1 of the tile's rows (kv: row offsets), a
-    load left in flight."""
-    L: gl.constexpr = _chunk_layout(NC)
-    c = gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+def _row3(v):
+    """A [BLOCK_N] row value as [BLOCK_N, 1, 1] in `_chunks`."""
+    return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+
+@gluon.jit
+def _load_chunks(ckv_ptr, kv3, ok3, C0: gl.constexpr, NOPE: gl.constexpr):
+    """The e4m3 bytes of chunks C0, C0 + 1 of the tile's rows (kv3: row offsets; chunks past NOPE
+    read as zeros), a load left in flight."""
+    L: gl.constexpr = _chunks()
+    c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
     d = (gl.expand_dims(gl.expand_dims(c, 0), 2) + C0) * 64 + gl.expand_dims(gl.expand_dims(j, 0), 1)
-    rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L))
-    kv3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(kv, rows), 1), 2)
-    ok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, rows), 1), 2)
-    return gl.load(ckv_ptr + kv3 + d, mask=ok3 & (d >= 0), other=0.0)
+    return gl.load(ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE), other=0.0)
 
 
 @gluon.jit
-def _store_chunks(kt, x, sw, C0: gl.constexpr, NC: gl.constexpr):
-    """x [BLOCK_N, NC, 64] e4m3 -> fp16 x 2^(e - 127) per chunk (exact for scales 2^-15 .. 2^7, as
-    `decode_common.key_operand`) into columns C0 * 64 .. of the key tile."""
-    L: gl.constexpr = _chunk_layout(NC)
-    c = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(2, L))), 0), 2) + C0
-    sw3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(sw, gl.SliceLayout(1, gl.SliceLayout(2, L))), 1), 2)
+def _store_chunks(kt, x, sw3, C0: gl.constexpr, NOPE: gl.constexpr):
+    """x [BLOCK_N, 2, 64] e4m3 -> fp16 x 2^(e - 127) per chunk (exact for scales 2^-15 .. 2^7, as
+    `decode_common.key_operand`; a chunk past NOPE x 0) into columns C0 * 64 .. of the key tile."""
+    L: gl.constexpr = _chunks()
+    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L))), 0), 2) + C0
     sb = ((sw3 >> (8 * c).to(gl.uint64)) & 0xFF).to(gl.int32)
-    f = (sb << 23).to(gl.float32, bitcast=True).to(gl.float16)
-    kt.slice(C0 * 64, NC * 64, dim=1).store(gl.reshape(x.to(gl.float16) * f, [_BN, NC * 64]))
+    f = gl.where(c < NOPE // 64, (sb << 23).to(gl.float32, bitcast=True), 0.0).to(gl.float16)
+    kt.slice(C0 * 64, 128, dim=1).store(gl.reshape(x.to(gl.float16) * f, [_BN, 128]))
 
 
 @gluon.jit
@@ -68,9 +88,13 @@ def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr,
             s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
             ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
             n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
-    KL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
+    # the lookups run in the rows' threads: no layout conversion between them and the loads
+    KL: gl.constexpr = _rows()
+    RO: gl.constexpr = _rope()
+    hr = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, RO)))
+    jr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, RO)))
+    dr = gl.expand_dims(gl.expand_dims(hr, 0), 2) * 32 + gl.expand_dims(gl.expand_dims(jr, 0), 1)
+    RO_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, RO))
     wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
     blk, row, ok = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
     wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
@@ -81,18 +105,19 @@ def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr,
         page = gl.maximum(blk, 0).to(gl.int64)
         r = row.to(gl.int64)
         # rows addressed from the pool's bases (the ring's at ring_* + the request's slot): no selects
-        kv = gl.multiple_of(gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr), 16)
+        kv3 = _row3(gl.multiple_of(gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr), 16))
         rp = gl.multiple_of(gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr), 8)
         sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
-        # every load of the tile in flight at once (the four groups of chunks, rope, scales) ...
-        sw = gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0)
-        x0 = _load_chunks(ckv_ptr, kv, ok, 0, 2)
-        x1 = _load_chunks(ckv_ptr, kv, ok, 2, 2)
-        x2 = _load_chunks(ckv_ptr, kv, ok, 4, 2)
-        x3 = _load_chunks(ckv_ptr, kv, ok, 6, 1)
-        rp2 = gl.expand_dims(gl.convert_layout(rp, gl.SliceLayout(1, RL)), 1)
-        okr = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, RL)), 1)
-        xr = gl.load(crope_ptr + rp2 + jr, mask=okr & (jr < 64), other=0.0)
+        ok3 = _row3(ok)
+        # every load of the tile in flight at once (four pairs of chunks, the rope, the scales) ...
+        sw3 = _row3(gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0))
+        x0 = _load_chunks(ckv_ptr, kv3, ok3, 0, NOPE)
+        x1 = _load_chunks(ckv_ptr, kv3, ok3, 2, NOPE)
+        x2 = _load_chunks(ckv_ptr, kv3, ok3, 4, NOPE)
+        x3 = _load_chunks(ckv_ptr, kv3, ok3, 6, NOPE)
+        rp3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(rp, RO_ROWS), 1), 2)
+        okr = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, RO_ROWS), 1), 2)
+        xr = gl.load(crope_ptr + rp3 + dr, mask=okr & (dr < 64), other=0.0)
         bias = gl.where(ok, 0.0, float("-inf"))
         # ... and the lookups of the next tiles behind them
         blk, row, ok = _stage_page(tile + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks,
@@ -102,12 +127,13 @@ def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr,
         # the tile's buffer is free once both MMA warpgroups are done with tile it - 2
         mbarrier.wait(k_free.index(buf), ((it // 2) & 1) ^ 1)
         kt = k_s.index(buf)
-        kt.slice(NOPE, 64, dim=1).store(xr.to(gl.float16))
         bias_s.index(buf).store(bias)
-        _store_chunks(kt, x3, sw, 6, 1)
-        _store_chunks(kt, x0, sw, 0, 2)
-        _store_chunks(kt, x1, sw, 2, 2)
-        _store_chunks(kt, x2, sw, 4, 2)
+        _store_chunks(kt, x3, sw3, 6, NOPE)       # chunk 7's zeros go where the rope goes ...
+        _store_chunks(kt, x0, sw3, 0, NOPE)
+        _store_chunks(kt, x1, sw3, 2, NOPE)
+        _store_chunks(kt, x2, sw3, 4, NOPE)
+        _barrier()                                # ... before the rope
+        kt.slice(NOPE, 64, dim=1).store(gl.reshape(xr.to(gl.float16), [_BN, 64]))
         fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
         _barrier()                      # ... from all four warps before the one arrive
         mbarrier.arrive(k_ready.index(buf), count=1)
@@ -135,8 +161,17 @@ def _values(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_p
 
 
 @gluon.jit
-def _scores(q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr, pml_ptr, s_pb, s_ps, s_ph,
-            b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
+def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr, pml_ptr,
+            s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
+    # q into shared memory as fp16, half the channels at a time, while the loader fetches the first tile
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
+    dq = gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, Q_L)), 0)
+    for c in gl.static_range(2):
+        q_s.slice(c * (D // 2), D // 2, dim=1).store(
+            gl.load(q_ptr + b * s_qb + hq * s_qh + dq + c * (D // 2)).to(gl.float16))
+    fence_async_shared()
+    _barrier()
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
@@ -149,8 +184,10 @@ def _scores(q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_p
         ph = (it // 2) & 1
         mbarrier.wait(k_ready.index(buf), ph)
         kt = k_s.index(buf)
-        s = warpgroup_mma(q_s, kt.permute((1, 0)), s0, use_acc=False)
-        s = s * qk_scale + gl.expand_dims(bias_s.index(buf).load(gl.SliceLayout(0, S_L)), 0)
+        s = warpgroup_mma(q_s, kt.permute((1, 0)), s0, use_acc=False, is_async=True)
+        bias = bias_s.index(buf).load(gl.SliceLayout(0, S_L))        # under the MMA
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = s * qk_scale + gl.expand_dims(bias, 0)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: keep exp2 finite
         alpha = gl.exp2(m_i - m_safe)
@@ -211,15 +248,6 @@ def _ws_kernel(
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
 
-    # q into shared memory as fp16, 128 channels at a time (the parent region runs on 4 warps)
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
-    dq = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L)), 0)
-    for c in gl.static_range(D // 128):
-        qc = gl.load(q_ptr + b * s_qb + hq * s_qh + dq + c * 128).to(gl.float16)
-        q_s.slice(c * 128, 128, dim=1).store(qc)
-    fence_async_shared()
-
     slot = gl.load(slots_ptr + b).to(gl.int64)
     t = gl.load(pos_ptr + b)
     n_wt = gl.cdiv(ring, _BN)
@@ -232,8 +260,8 @@ def _ws_kernel(
     n_tiles = n_wt + gl.cdiv(n_c, _BN)
     mine = gl.cdiv(gl.maximum(n_tiles - split, 0), n_split)
     gl.warp_specialize([
-        (_scores, (q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr, pml_ptr, s_pb, s_ps, s_ph,
-                   b, split, n_split, mine, qk_scale, D, H)),
+        (_scores, (q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr,
+                   pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
         (_values, (k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_ps, s_ph, b, split, mine, D, H)),
         (_loader, (k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
                    s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp,
