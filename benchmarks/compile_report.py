@@ -165,16 +165,13 @@ def main() -> int:
                      p2.kv, b.block_table, s2.entries_per_block, sel, ne, b.seq_len_bound // s2.compress_ratio,
                      torch.randn(64), 512 ** -0.5)
             from dsv4.kernels.triton import decode_attention_wide as dw
-            from dsv4.kernels.triton import decode_attention_ws as dws
             from dsv4.kernels.triton import decode_combine as dcm
             with contextlib.ExitStack() as es:        # the wide scheme's checks want a GPU: call it past them
                 es.enter_context(_patched(dw, "supported", lambda *a: True))
                 es.enter_context(_patched(att, "sm_count", lambda dev: 132))
                 es.enter_context(captured(dcm, "_combine_kernel"))         # launched after it: intercepted too
                 report(f"attention wide {kind}", dw, "_wide_kernel",
-                       lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"), num_warps=dw.WARPS)
-                report(f"attention wide_ws {kind}", dws, "_ws_kernel",
-                       lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide_ws"))
+                       lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"))
             if "attention" not in which:
                 continue
             for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),

@@ -206,9 +206,8 @@ def sweep_case(cfg, tpb, blocks, context: int, batch: int, quick: bool, focus: b
         # the three schemes against each other, and the tiles of the halves and two-pass ones
         variants += [dict(scheme="fused"), dict(scheme="halves"), dict(scheme="two_pass")]
         # the wide scheme (Gluon, sm_90, fp8_ds) at its default splits and around them
-        variants += [dict(scheme=w) for w in ("wide", "wide_ws")] + [
-            dict(scheme=w, num_splits=s) for w in ("wide", "wide_ws")
-            for s in ((1, 3, 4) if batch >= 32 else (4, 8, 16, 33, 66))]
+        variants += [dict(scheme="wide")] + [dict(scheme="wide", num_splits=s)
+                                             for s in ((1, 3, 4) if batch >= 32 else (4, 8, 16, 33, 66))]
         tp = {"scheme": "two_pass"}
         if batch >= 32:
             variants += [dict(scheme="halves", block_n=16), dict(scheme="halves", num_splits=3),

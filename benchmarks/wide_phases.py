@@ -2,7 +2,9 @@
 combine), the kernel alone, the kernel with no key tile (its fixed cost: q, the epilogue's partial
 stores, launch), and the combine alone, per scheme and split count.
 
-    CTX=131072 BATCHES=64 SCHEMES="wide;wide_ws" SPLITS="1,2" KINDS="csa,hca" python benchmarks/wide_phases.py
+    CTX=131072 BATCHES=64 SCHEMES="wide;halves" SPLITS="1,2" KINDS="csa,hca" python benchmarks/wide_phases.py
+
+(SPLITS 0: the default split count.)
 
 Times are CUDA-graph replays with the L2 flushed (`dsv4.bench.timing.Timer`), µs.
 """
@@ -36,7 +38,7 @@ def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int
 
     setattr(mod, name, spy)
     try:
-        op = timer.time(lambda: att.decode_attention(*aargs, scheme=scheme, num_splits=splits), graph=True)
+        op = timer.time(lambda: att.decode_attention(*aargs, scheme=scheme, num_splits=splits or None), graph=True)
     finally:
         setattr(mod, name, real)
     a, kw = seen["args"], seen["kw"]
@@ -52,11 +54,11 @@ def main() -> int:
     dev = torch.device("cuda")
     ctx = int(os.environ.get("CTX", 131072))
     batches = [int(x) for x in os.environ.get("BATCHES", "64").split(",")]
-    schemes = os.environ.get("SCHEMES", "wide;wide_ws").split(";")
+    schemes = os.environ.get("SCHEMES", "wide").split(";")
     splits = [int(x) for x in os.environ.get("SPLITS", "1,2").split(",")]
     timer = Timer(types.SimpleNamespace(device=dev, warmup_ms=10, rep_ms=50, host_warmup=3, host_reps=15, graph=True))
     cfg, tpb = bench_config(False)
-    values = {"wide": (att.dw, "value_wide"), "wide_ws": (att.dws, "value_ws")}
+    values = {"wide": (att.dw, "value_wide"), "halves": (att.dh, "value_halves")}
     for bsz in batches:
         st = bs.build_decode_state(cfg, context=ctx, batch=bsz, device=dev, tokens_per_block=tpb,
                                    kv_format="fp8_ds", indexer_format="mxfp4")

@@ -422,13 +422,12 @@ def test_attention_halves_default(layer):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["wide", "wide_ws"])
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
-def test_attention_wide(layer, scheme):
-    """The wide scheme (Gluon, one 8-warp program per request and split, cp.async-prefetched 64-key
-    tiles) against the reference: ragged lengths across the tile, window and 128 / 256 boundaries,
-    several splits (a split with no tile included), and a CUDA-graph replay after the metadata and the
-    queries change in place."""
+def test_attention_wide(layer):
+    """The wide scheme (Gluon, one warp-specialised program per request and split: loader, scores and
+    values warpgroups over two 64-key tiles) against the reference: ragged lengths across the tile,
+    window and 128 / 256 boundaries, several splits (a split with no tile included), and a CUDA-graph
+    replay after the metadata and the queries change in place."""
     if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
             and att.dw.GLUON_OK):
         pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
@@ -436,24 +435,23 @@ def test_attention_wide(layer, scheme):
     args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
     want = ref.decode_attention(*args)
     for splits in (None, 1, 5, 40):
-        close(tri.decode_attention(*args, scheme=scheme, num_splits=splits), want, TOL["fp16"])
-    if scheme == "wide":        # the default from 4 requests of 64 heads
-        assert torch.equal(tri.decode_attention(*args), tri.decode_attention(*args, scheme="wide"))
-    graph_replay_matches(args, layer, scheme)
+        close(tri.decode_attention(*args, scheme="wide", num_splits=splits), want, TOL["fp16"])
+    # the default from 4 requests of 64 heads
+    assert torch.equal(tri.decode_attention(*args), tri.decode_attention(*args, scheme="wide"))
+    graph_replay_matches(args, layer, "wide")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["wide", "wide_ws"])
-def test_attention_wide_one_long_request(scheme):
+def test_attention_wide_one_long_request():
     """One request with 4,097 HCA entries over the default splits, and bf16 queries."""
     if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
             and att.dw.GLUON_OK):
         pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
     args = list(attention_args("real", "fp8_ds", HCA, 64, (4097 * 128 + 1,)))
     want = ref.decode_attention(*args)
-    close(tri.decode_attention(*args, scheme=scheme), want, TOL["fp16"])
+    close(tri.decode_attention(*args, scheme="wide"), want, TOL["fp16"])
     args[0] = args[0].bfloat16()
-    close(tri.decode_attention(*args, scheme=scheme), ref.decode_attention(*args), TOL["fp16"])
+    close(tri.decode_attention(*args, scheme="wide"), ref.decode_attention(*args), TOL["fp16"])
 
 
 @pytest.mark.gpu

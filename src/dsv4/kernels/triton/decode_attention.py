@@ -2,7 +2,8 @@
 
 Four schemes. On sm_90, for fp8_ds entries and 64 heads, wherever the halves scheme would be the
 default: the wide one in `decode_attention_wide` (Gluon: 64 heads and all 512 channels in one
-8-warp program, cp.async-prefetched 64-key tiles; B = 64 128K CSA 43 µs, HCA 59 µs). Else from
+warp-specialised program, a loader, a scores and a values warpgroup over two 64-key tiles; bf16 q,
+B = 64 128K CSA 35.5 µs, HCA 46.2 µs). Else from
 4 requests of 64 heads, or one request with 4,096 entries or more (bf16 operands, D 512), the
 halves one in
 `decode_attention_halves` (64 heads and half of the value channels per program, one pass; see
@@ -41,9 +42,8 @@ from dsv4.kernels.triton.decode_combine import combine
 
 try:        # the wide scheme is written in Gluon, which a Triton before 3.4 lacks: the other schemes then
     from dsv4.kernels.triton import decode_attention_wide as dw
-    from dsv4.kernels.triton import decode_attention_ws as dws
 except ImportError:
-    dw = dws = None
+    dw = None
 from dsv4.kernels.triton.decode_common import (
     FP8_DS_ID,
     LOG2E,
@@ -268,7 +268,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
     strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
-    if scheme in ("wide", "wide_ws"):
+    if scheme == "wide":
         nope = kv_fmt.dim - kv_fmt.rope_dim
         if dw is None or not dw.supported(q, keys, dim, nope, kv_fmt.name):
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
@@ -278,9 +278,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         # at 16 / 33 splits: 52.4 / 37.7; the rule on 64-key tiles gave 16)
         tiles32 = triton.cdiv(ring, 32) + triton.cdiv(n_comp, 32)
         splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles32, n_comp), tiles))
-        value = dw.value_wide if scheme == "wide" else dws.value_ws
-        part, pml = value(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
-                          dim=dim, nope=nope, mode=mode, splits=splits)
+        part, pml = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                                  dim=dim, nope=nope, mode=mode, splits=splits)
         return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
     if scheme == "halves":
         if prec != 1 or nch % 2:
@@ -381,7 +380,7 @@ TWO_PASS_STAGES = 1
 MANY_ROWS = 4 * 64
 #: ... or from this many compressed keys a request (HCA at 1M: 8,192 entries)
 LONG_KEYS = dh.LONG_KEYS
-SCHEMES = ("fused", "halves", "two_pass", "wide", "wide_ws")
+SCHEMES = ("fused", "halves", "two_pass", "wide")
 
 
 def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knobs: bool, n_comp: int = 0) -> str:
@@ -407,8 +406,10 @@ def _scheme(bsz: int, heads: int, nch: int, prec: int, cuda: bool, no_fused_knob
     picks halves (`decode_attention_wide`; H200, the op with its combine, halves / wide µs: 128K
     B = 64 CSA 60.4 / 42.9, HCA 80.2 / 59.3; B = 16 CSA 30.6 / 26.2, HCA 35.3 / 30.4; B = 4 CSA
     19.9 / 17.7, HCA 24.7 / 20.0; one long request, HCA 1M B = 1 29.9 / 28.0, B = 2 36.7 / 32.8,
-    B = 4 47.7 / 37.7). CSA below 4 requests keeps the fused kernel (B = 1, µs, fused / halves /
-    wide: 15.6 / 15.0 / 16.5).
+    B = 4 47.7 / 37.7; the wide scheme's first, one-program form). Its warp-specialised form, the
+    same harness (fp32 q): 128K B = 64 CSA 43.2, HCA 54.7; B = 16 CSA 25.9, HCA 28.4; B = 4 CSA
+    18.8, HCA 20.4; HCA 1M B = 1 26.7, B = 2 29.1, B = 4 34.9. CSA below 4 requests keeps the fused
+    kernel (B = 1, µs, fused / halves / one-program wide: 15.6 / 15.0 / 16.5).
     """
     if not cuda:
         return ("halves" if prec == 1 and nch % 2 == 0 else "two_pass") if no_fused_knobs else "fused"

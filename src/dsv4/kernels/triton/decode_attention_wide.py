@@ -1,37 +1,36 @@
 """Wide decode attention (Gluon, sm_90): all 64 heads and all 512 value channels of one (request,
-key split) in one program of two warpgroups, fp8_ds keys (the "wide" scheme of `decode_attention`).
+key split) in one warp-specialised program, fp8_ds keys (the "wide" scheme of `decode_attention`).
 
     grid (B, 1, S): program (b, split) runs an online softmax over key tiles split, split + S, ...
-    of one index space (the window ring's tiles, then the entries'), as the halves scheme
+    of one index space (the window ring's 64-key tiles, then the entries'), as the halves scheme
     (`decode_attention_halves`) does, and writes the same split partials (acc [H, D] fp32 and the
     softmax stats (m, l)) for `decode_combine`.
 
-Why a second kernel, in Gluon: the halves scheme runs two 4-warp programs per (request, split),
-one per half of the value channels, and each loads and dequantises every key and computes every
-logit; its loop is a chain of dependent steps (load, convert, dot, softmax, dot) with nothing in
-flight across tiles (a register prefetch spills at 255 registers). Here one 8-warp program owns
-the pair: per 64-key tile
+Three warpgroups run side by side (`gl.warp_specialize`), handing tiles over through mbarriers:
 
-    - the next tile's bytes go to shared memory by cp.async while this tile computes (two
-      stages; e4m3 bytes [64, 8, 64] and the bf16 rope [64, 64]), and the next tile's scale words
-      and row lookups are in flight in registers;
-    - the tile is dequantised once (e4m3 -> fp16 times 2^(e - 127) per 64 channels, as
-      `decode_common.key_operand`) into one fp16 [64, 512] shared tile that serves as K^T for
-      S = q . K^T and as V for acc += p . V;
-    - S [64 heads, 64 keys] is one warpgroup MMA with the two warpgroups on 32 keys each (q
-      [64, 512] fp16 stays in shared memory), the row maxima and sums cross the warpgroups, and
-      p . V puts each warpgroup on 256 of the 512 value channels (acc 128 registers a thread).
+    loader  (4 warps): the row lookups (positions / CSA indices, then block-table rows) two tiles
+            ahead; per 64-key tile every load at once (e4m3 bytes, rope, scale words) straight into
+            registers, dequantised (e4m3 x 2^(e - 127) per 64 channels, as
+            `decode_common.key_operand`) into one of two fp16 [64, 512] NVMMA key tiles, the key
+            mask beside it; then k_ready.
+    scores  (4 warps, the default partition): q [64, 512] fp16 into shared memory, then per tile
+            S = q . K^T [64 heads, 64 keys] (one warpgroup MMA), the online softmax, p (fp16) and
+            the rescale factor into shared memory for the values warpgroup (p_ready), and
+            acc[:, :256] += p . V (V = the same key tile).
+    values  (4 warps): acc[:, 256:] rescaled, += p . V with p from shared memory.
 
-Layout choices are explicit (Gluon), so no conversion goes through shared memory except p's
-(the warpgroups exchange their 32 keys' probabilities) and the cross-warpgroup reductions.
-Static grid, no host reads: capturable in a CUDA graph.
+Both MMA warpgroups free a key tile when their p . V is done (k_free, count 2), the values one frees
+p (p_free). Two key tiles and two p tiles: the loader fills tile i + 1 and the values warpgroup runs
+p . V of tile i while the scores warpgroup computes. Registers are split 192 / 160 / 152 a thread
+(scores: acc 128 + S 32 + p 16; a loader at 152 holds a whole tile's bytes). Static grid, no host
+reads: capturable in a CUDA graph.
 
-Measured (H200, Triton 3.6, the op with its combine, CUDA-graph replays, L2 flushed), halves /
-wide µs: 128K B = 64 CSA 60.4 / 42.9, HCA 80.2 / 59.3; B = 16 CSA 30.6 / 26.2, HCA 35.3 / 30.4;
-B = 4 CSA 19.9 / 17.7, HCA 24.7 / 20.0; HCA 1M B = 1 29.9 / 28.0. sm_90 compile: 255 registers,
-217 KB shared memory (one program per SM), 947 instructions a tile. What bounds it (ncu): the steps
-of a tile run one after another, two warps per scheduler, 23 barriers a tile; see
-benchmarks/NOTES.md, thirtieth round.
+Why: the first form of this scheme was one 8-warp program running each tile's steps one after
+another (cp.async copies, dequantisation, S, softmax, p . V) with two warps a scheduler to hide
+them; it spent ~4.2 µs a tile against ~2.95 here. Measured (H200, Triton 3.6, bf16 q, the op with
+its combine, `benchmarks/wide_phases.py`), one-program / warp-specialised µs: 128K B = 64 CSA
+39.2 / 35.5, HCA 56.0 / 46.2; B = 16 CSA 23.9 / 22.0, HCA 27.5 / 24.6; B = 4 CSA 15.8 / 16.0, HCA
+17.9 / 17.2; 512K B = 64 HCA 156.4 / 117.3. See benchmarks/NOTES.md, thirty-first round.
 """
 
 from __future__ import annotations
@@ -40,25 +39,25 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-# the CTA-wide barrier: `thread_barrier` in Triton 3.6, `barrier` from 3.7
+# the CTA-wide barrier (a partition's own named barrier inside `warp_specialize`): `thread_barrier`
+# in Triton 3.6, `barrier` from 3.7
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: Gluon's API as written here: Triton 3.6 (measured) to 3.9 (compiled); earlier ones differ
 GLUON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
-#: keys a tile, warps a program (two warpgroups)
+#: keys a tile
 BLOCK_N = 64
-WARPS = 8
 _BN = gl.constexpr(BLOCK_N)
-_W = gl.constexpr(WARPS)
-
-
-@gluon.constexpr_function
-def _bytes_layout(nc):
-    """[BLOCK_N, nc, 64] e4m3 bytes: 16 consecutive bytes a thread, a warp over whole 64-byte chunks."""
-    return gl.BlockedLayout([1, 1, 16], [32 // (4 * nc), nc, 4], [WARPS, 1, 1], [2, 1, 0])
+#: registers a thread of the values and loader warpgroups; the scores warpgroup gets the rest of
+#: MAXNREG x 12 warps (192: acc 128 + S 32 + p 16 a thread; at 184 it spills its accumulator)
+REGS = (160, 152)
+MAXNREG = 168
 
 
 @gluon.jit
@@ -99,55 +98,182 @@ def _stage_page(tile, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_bl
     return blk, gl.where(win, cw, we % epb), gl.where(win, ok_w, ok_e)
 
 
-@gluon.jit
-def _issue(raw_s, rope_s, tile, blk, row, ok, slot, n_wt, ckv_ptr, crope_ptr, csc_ptr,
-           s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
-           ring_kv, ring_rope, ring_sc, NOPE: gl.constexpr):
-    """Stage 3 (one tile ahead): cp.async of the tile's e4m3 bytes into raw_s [BLOCK_N, 8, 64] and its
-    rope into rope_s [BLOCK_N, 64] (one commit group), addressed from the pool's bases (the ring's
-    rows at ring_* + the request's slot); returns its scale words (a load in flight) and ok."""
-    win = tile < n_wt
-    page = gl.maximum(blk, 0).to(gl.int64)
-    r = row.to(gl.int64)
-    kv = gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr)
-    rp = gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr)
-    sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
-    # rows start on 16-byte boundaries (the wrapper checks): 16-byte copies
-    kv = gl.multiple_of(kv, 16)
-    rp = gl.multiple_of(rp, 8)
-    sw = gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0)
-    L8: gl.constexpr = _bytes_layout(8)
-    ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L8))
-    c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L8)))
-    j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L8)))
-    d = gl.expand_dims(gl.expand_dims(c, 0), 2) * 64 + gl.expand_dims(gl.expand_dims(j, 0), 1)
-    kv3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(kv, ROWS), 1), 2)
-    ok3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, ROWS), 1), 2)
-    _async_load(raw_s, ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE))
-    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_W, 1], [1, 0])
-    jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
-    rp2 = gl.expand_dims(gl.convert_layout(rp, gl.SliceLayout(1, RL)), 1)
-    okr = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, RL)), 1)
-    _async_load(rope_s, crope_ptr + rp2 + jr, mask=okr & (jr < 64))
-    async_copy.commit_group()
-    return sw, ok
+@gluon.constexpr_function
+def _chunks():
+    """[BLOCK_N, 2, 64]: two 64-channel chunks of e4m3 bytes a row over one warpgroup, 16 consecutive
+    bytes of each chunk a thread (four threads a row, eight rows a warp, two rows a thread)."""
+    return gl.BlockedLayout([1, 2, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rope():
+    """[BLOCK_N, 2, 32] bf16 rope: its halves over the same threads and rows as `_chunks`."""
+    return gl.BlockedLayout([1, 2, 8], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _rows():
+    """One value a key row (lookups, masks, scale words), held by the threads that load the row."""
+    return gl.SliceLayout(1, gl.SliceLayout(2, _chunks()))
 
 
 @gluon.jit
-def _dequant(raw_s, rope_s, k_s, sw, NOPE: gl.constexpr):
-    """The tile's keys into k_s [BLOCK_N, 512] fp16: e4m3 x 2^(e - 127) per 64 channels (exact for
-    scales 2^-15 .. 2^7, as `decode_common.key_operand`), then the rope channels."""
-    L8: gl.constexpr = _bytes_layout(8)
-    x = raw_s.load(L8).to(gl.float16)
-    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L8))), 0), 2)
-    sw3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(sw, gl.SliceLayout(1, gl.SliceLayout(2, L8))), 1), 2)
+def _row3(v):
+    """A [BLOCK_N] row value as [BLOCK_N, 1, 1] in `_chunks`."""
+    return gl.expand_dims(gl.expand_dims(v, 1), 2)
+
+
+@gluon.jit
+def _load_chunks(ckv_ptr, kv3, ok3, C0: gl.constexpr, NOPE: gl.constexpr):
+    """The e4m3 bytes of chunks C0, C0 + 1 of the tile's rows (kv3: row offsets; chunks past NOPE
+    read as zeros), a load left in flight."""
+    L: gl.constexpr = _chunks()
+    c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    d = (gl.expand_dims(gl.expand_dims(c, 0), 2) + C0) * 64 + gl.expand_dims(gl.expand_dims(j, 0), 1)
+    return gl.load(ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE), other=0.0)
+
+
+@gluon.jit
+def _store_chunks(kt, x, sw3, C0: gl.constexpr, NOPE: gl.constexpr):
+    """x [BLOCK_N, 2, 64] e4m3 -> fp16 x 2^(e - 127) per chunk (exact for scales 2^-15 .. 2^7, as
+    `decode_common.key_operand`; a chunk past NOPE x 0) into columns C0 * 64 .. of the key tile."""
+    L: gl.constexpr = _chunks()
+    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L))), 0), 2) + C0
     sb = ((sw3 >> (8 * c).to(gl.uint64)) & 0xFF).to(gl.int32)
-    # the rope chunk's factor 0 (its bytes arrive as zeros), so the tile takes one multiply, no select
     f = gl.where(c < NOPE // 64, (sb << 23).to(gl.float32, bitcast=True), 0.0).to(gl.float16)
-    k_s.store(gl.reshape(x * f, [_BN, 512]))
-    _barrier()                          # the rope channels' zeros above are written before the rope
-    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_W, 1], [1, 0])
-    k_s.slice(NOPE, 64, dim=1).store(rope_s.load(RL).to(gl.float16))
+    kt.slice(C0 * 64, 128, dim=1).store(gl.reshape(x.to(gl.float16) * f, [_BN, 128]))
+
+
+@gluon.jit
+def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+            s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+            ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
+            n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
+    # the lookups run in the rows' threads: no layout conversion between them and the loads
+    KL: gl.constexpr = _rows()
+    RO: gl.constexpr = _rope()
+    hr = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, RO)))
+    jr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, RO)))
+    dr = gl.expand_dims(gl.expand_dims(hr, 0), 2) * 32 + gl.expand_dims(gl.expand_dims(jr, 0), 1)
+    RO_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, RO))
+    wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
+    blk, row, ok = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
+    wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
+    for it in range(0, mine):
+        tile = split + it * n_split
+        buf = it % 2
+        win = tile < n_wt
+        page = gl.maximum(blk, 0).to(gl.int64)
+        r = row.to(gl.int64)
+        # rows addressed from the pool's bases (the ring's at ring_* + the request's slot): no selects
+        kv3 = _row3(gl.multiple_of(gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr), 16))
+        rp = gl.multiple_of(gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr), 8)
+        sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
+        ok3 = _row3(ok)
+        # every load of the tile in flight at once (four pairs of chunks, the rope, the scales) ...
+        sw3 = _row3(gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0))
+        x0 = _load_chunks(ckv_ptr, kv3, ok3, 0, NOPE)
+        x1 = _load_chunks(ckv_ptr, kv3, ok3, 2, NOPE)
+        x2 = _load_chunks(ckv_ptr, kv3, ok3, 4, NOPE)
+        x3 = _load_chunks(ckv_ptr, kv3, ok3, 6, NOPE)
+        rp3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(rp, RO_ROWS), 1), 2)
+        okr = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, RO_ROWS), 1), 2)
+        xr = gl.load(crope_ptr + rp3 + dr, mask=okr & (dr < 64), other=0.0)
+        bias = gl.where(ok, 0.0, float("-inf"))
+        # ... and the lookups of the next tiles behind them
+        blk, row, ok = _stage_page(tile + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks,
+                                   MODE, KL)
+        wv, ev = _stage_index(tile + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
+                              MODE, KL)
+        # the tile's buffer is free once both MMA warpgroups are done with tile it - 2
+        mbarrier.wait(k_free.index(buf), ((it // 2) & 1) ^ 1)
+        kt = k_s.index(buf)
+        bias_s.index(buf).store(bias)
+        _store_chunks(kt, x3, sw3, 6, NOPE)       # chunk 7's zeros go where the rope goes ...
+        _store_chunks(kt, x0, sw3, 0, NOPE)
+        _store_chunks(kt, x1, sw3, 2, NOPE)
+        _store_chunks(kt, x2, sw3, 4, NOPE)
+        _barrier()                                # ... before the rope
+        kt.slice(NOPE, 64, dim=1).store(gl.reshape(xr.to(gl.float16), [_BN, 64]))
+        fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
+        _barrier()                      # ... from all four warps before the one arrive
+        mbarrier.arrive(k_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _values(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_ps, s_ph, b, split, mine,
+            D: gl.constexpr, H: gl.constexpr):
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
+    for it in range(0, mine):
+        buf = it % 2
+        ph = (it // 2) & 1
+        mbarrier.wait(k_ready.index(buf), ph)
+        mbarrier.wait(p_ready.index(buf), ph)
+        alpha = a_s.index(buf).load(gl.SliceLayout(1, O_L))
+        acc = acc * gl.expand_dims(alpha, 1)
+        acc = warpgroup_mma(p_s.index(buf), k_s.index(buf).slice(D // 2, D // 2, dim=1), acc)
+        _barrier()
+        mbarrier.arrive(k_free.index(buf), count=1)
+        mbarrier.arrive(p_free.index(buf), count=1)
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+    do = gl.arange(0, D // 2, layout=gl.SliceLayout(0, O_L)) + D // 2
+    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0), acc)
+
+
+@gluon.jit
+def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr, pml_ptr,
+            s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
+    # q into shared memory as fp16, half the channels at a time, while the loader fetches the first tile
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
+    dq = gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, Q_L)), 0)
+    for c in gl.static_range(2):
+        q_s.slice(c * (D // 2), D // 2, dim=1).store(
+            gl.load(q_ptr + b * s_qb + hq * s_qh + dq + c * (D // 2)).to(gl.float16))
+    fence_async_shared()
+    _barrier()
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
+    s0 = gl.zeros([H, _BN], gl.float32, layout=S_L)
+    for it in range(0, mine):
+        buf = it % 2
+        ph = (it // 2) & 1
+        mbarrier.wait(k_ready.index(buf), ph)
+        kt = k_s.index(buf)
+        s = warpgroup_mma(q_s, kt.permute((1, 0)), s0, use_acc=False, is_async=True)
+        bias = bias_s.index(buf).load(gl.SliceLayout(0, S_L))        # under the MMA
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = s * qk_scale + gl.expand_dims(bias, 0)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: keep exp2 finite
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.float16)
+        mbarrier.wait(p_free.index(buf), ph ^ 1)        # the values warpgroup is done with tile it - 2's p
+        p_s.index(buf).store(p16)
+        a_s.index(buf).store(alpha)
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(p_ready.index(buf), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+        acc = warpgroup_mma(gl.convert_layout(p16, P_L), kt.slice(0, D // 2, dim=1), acc)
+        _barrier()
+        mbarrier.arrive(k_free.index(buf), count=1)
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+    do = gl.arange(0, D // 2, layout=gl.SliceLayout(0, O_L))
+    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0), acc)
+    hs = gl.arange(0, H, layout=gl.SliceLayout(1, S_L))
+    ml = pml_ptr + ((b * n_split + split) * H + hs) * 2
+    gl.store(ml, m_i)
+    gl.store(ml + 1, l_i)
 
 
 @gluon.jit
@@ -159,27 +285,29 @@ def _wide_kernel(
         s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, window, epb, max_blocks, n_comp, qk_scale, ring_kv, ring_rope, ring_sc,
-        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr):
+        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, VALUE_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr):
     """Program (b, 0, split) -> part[b, split, :, :] (acc [H, D] fp32), pml[b, split, :, :] (m, l)."""
     b = gl.program_id(0)
     split = gl.program_id(2)
     n_split = gl.num_programs(2)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [_W, 1], [1, 0])
-    RAW_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
-    ROPE_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=1, order=[1, 0])
-    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.float16)
     QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.float16)
-
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, Q_L))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, Q_L))
-    q = gl.load(q_ptr + b * s_qb + gl.expand_dims(hq, 1) * s_qh + gl.expand_dims(dq, 0)).to(gl.float16)
-    q_s = gl.allocate_shared_memory(gl.float16, [H, D], QS_L, q)
-    k_s = gl.allocate_shared_memory(gl.float16, [_BN, D], K_SL)
-    raw = gl.allocate_shared_memory(gl.float8e4nv, [2, _BN, 8, 64], RAW_SL)
-    rope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64], ROPE_SL)
+    K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.float16)
+    P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, _BN], gl.float16)
+    q_s = gl.allocate_shared_memory(gl.float16, [H, D], QS_L)
+    k_s = gl.allocate_shared_memory(gl.float16, [2, _BN, D], K_SL)
+    p_s = gl.allocate_shared_memory(gl.float16, [2, H, _BN], P_SL)
+    a_s = gl.allocate_shared_memory(gl.float32, [2, H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bias_s = gl.allocate_shared_memory(gl.float32, [2, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=2)
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
 
     slot = gl.load(slots_ptr + b).to(gl.int64)
     t = gl.load(pos_ptr + b)
@@ -192,59 +320,15 @@ def _wide_kernel(
         n_c = 0
     n_tiles = n_wt + gl.cdiv(n_c, _BN)
     mine = gl.cdiv(gl.maximum(n_tiles - split, 0), n_split)
-
-    m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, S_L))
-    acc = gl.zeros([H, D], gl.float32, layout=O_L)
-    s0 = gl.zeros([H, _BN], gl.float32, layout=S_L)
-
-    KL: gl.constexpr = gl.BlockedLayout([1], [32], [_W], [0])
-    # the three stages of tiles split, split + S, split + 2S before the loop (see _issue)
-    wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
-    blk, row, okp = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
-    sw, ok = _issue(raw.index(0), rope.index(0), split, blk, row, okp, slot, n_wt, ckv_ptr, crope_ptr, csc_ptr,
-                    s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
-                    ring_kv, ring_rope, ring_sc, NOPE)
-    wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
-    blk, row, okp = _stage_page(split + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks,
-                                MODE, KL)
-    wv, ev = _stage_index(split + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
-                          MODE, KL)
-    for it in range(0, mine):
-        stage = it % 2
-        tile = split + it * n_split
-        sw_n, ok_n = _issue(raw.index(1 - stage), rope.index(1 - stage), tile + n_split, blk, row, okp, slot, n_wt,
-                            ckv_ptr, crope_ptr, csc_ptr, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr,
-                            s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, ring_kv, ring_rope, ring_sc, NOPE)
-        blk, row, okp = _stage_page(tile + 2 * n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
-                                    max_blocks, MODE, KL)
-        wv, ev = _stage_index(tile + 3 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
-                              MODE, KL)
-        async_copy.wait_group(1)        # this tile's copies (the next tile's stay in flight)
-        _barrier()             # ... from every thread; and the last tile's MMAs are done with k_s
-        _dequant(raw.index(stage), rope.index(stage), k_s, sw, NOPE)
-        fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
-        _barrier()
-        s = warpgroup_mma(q_s, k_s.permute((1, 0)), s0, use_acc=False) * qk_scale
-        s = gl.where(gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(0, S_L)), 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: keep exp2 finite
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.float16), P_L), k_s, acc)
-        sw, ok = sw_n, ok_n
-    async_copy.wait_group(0)
-
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
-    do = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
-    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0), acc)
-    hs = gl.arange(0, H, layout=gl.SliceLayout(1, S_L))
-    ml = pml_ptr + ((b * n_split + split) * H + hs) * 2
-    gl.store(ml, m_i)
-    gl.store(ml + 1, l_i)
+    gl.warp_specialize([
+        (_scores, (q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr,
+                   pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
+        (_values, (k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_ps, s_ph, b, split, mine, D, H)),
+        (_loader, (k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+                   s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp,
+                   s_csr, ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
+                   max_blocks, n_comp, MODE, NOPE)),
+    ], [4, 4], [VALUE_REGS, LOADER_REGS])
 
 
 def _elements_between(ring: torch.Tensor, pool: torch.Tensor) -> int:
@@ -281,5 +365,6 @@ def value_wide(q: torch.Tensor, keys: tuple, meta: tuple, strides: tuple, ring: 
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), *strides,
         ring, window, epb, max_blocks, n_comp, qk_scale,
         *(_elements_between(w, c) for w, c in ((wkv, ckv), (wrope, crope), (wsc, csc))),
-        H=heads, D=dim, NOPE=nope, MODE=mode, num_warps=WARPS)
+        H=heads, D=dim, NOPE=nope, MODE=mode, VALUE_REGS=REGS[0], LOADER_REGS=REGS[1], num_warps=4,
+        maxnreg=MAXNREG)
     return part, pml
