@@ -14,10 +14,10 @@ import os
 import types
 
 import torch
+from tune_common import attention_case
 
 from dsv4.bench import setup as bs
-from dsv4.bench.common import LAYER_INDEX, bench_config
-from dsv4.bench.decode import random_selection
+from dsv4.bench.common import bench_config
 from dsv4.bench.timing import Timer
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode_attention as att
@@ -45,18 +45,8 @@ def main() -> int:
     for bsz in batches:
         st = bs.build_decode_state(cfg, context=ctx, batch=bsz, device=dev, tokens_per_block=tpb,
                                    kv_format="fp8_ds", indexer_format="mxfp4")
-        mgr, b = st.mgr, st.batch
         for kind in ("csa", "hca"):
-            li = LAYER_INDEX[kind]
-            sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
-            g = torch.Generator(device=dev).manual_seed(1)
-            sel = random_selection(bsz, (ctx - 1) // 4, 512, dev, g) if kind == "csa" else None
-            ne = None if kind == "csa" else b.seq_lens // sch.compress_ratio
-            q = torch.randn(bsz, 64, 512, device=dev, generator=g).to(torch.bfloat16)
-            sinks = torch.randn(64, device=dev, generator=g)
-            aargs = (q, stt.swa, sch.kv_format, stt.swa_pos, b.request_slots, b.positions, 128, pool.kv,
-                     b.block_table, sch.entries_per_block, sel, ne, b.seq_len_bound // sch.compress_ratio, sinks,
-                     512 ** -0.5)
+            aargs = attention_case(st, kind, bsz, ctx, dev)
             want = ref.decode_attention(*aargs)
             row = []
             for v in variants:

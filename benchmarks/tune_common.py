@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import triton
 
+from dsv4.bench.common import LAYER_INDEX
+from dsv4.bench.decode import random_selection
 from dsv4.kernels.triton.decode_common import COMPILE_INFO
 
 RESULTS: list[dict[str, Any]] = []
@@ -65,3 +67,19 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
         sa, sb = {x for x in ra if x >= 0}, {x for x in rb if x >= 0}
         tot += len(sa & sb) / max(1, len(sb))
     return tot / a.shape[0]
+
+
+def attention_case(st: Any, kind: str, bsz: int, ctx: int, dev: torch.device) -> tuple:
+    """`decode_attention`'s arguments for the V4-Flash CSA or HCA layer of a built decode state
+    (`dsv4.bench.setup.build_decode_state`): bf16 queries, random sinks and, for CSA, a random
+    top-512 selection, all seeded."""
+    mgr, b = st.mgr, st.batch
+    li = LAYER_INDEX[kind]
+    sch, stt, pool = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+    g = torch.Generator(device=dev).manual_seed(1)
+    sel = random_selection(bsz, (ctx - 1) // 4, 512, dev, g) if kind == "csa" else None
+    ne = None if kind == "csa" else b.seq_lens // sch.compress_ratio
+    q = torch.randn(bsz, 64, 512, device=dev, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(64, device=dev, generator=g)
+    return (q, stt.swa, sch.kv_format, stt.swa_pos, b.request_slots, b.positions, 128, pool.kv, b.block_table,
+            sch.entries_per_block, sel, ne, b.seq_len_bound // sch.compress_ratio, sinks, 512 ** -0.5)
