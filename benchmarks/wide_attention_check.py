@@ -179,16 +179,7 @@ def wide_attention(q, swa, kv_fmt, swa_pos, request_slots, positions, window, kv
         H=heads, HP=hp, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch, FMT=2, MODE=mode, BLOCK_N=block_n,
         NATIVE=cuda,
         num_warps=num_warps, **({"num_stages": 1} if cuda else {}), **pdl_launch(q.device))
-    out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
-    bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
-    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
-    decode_combine._combine_kernel[(bsz, triton.cdiv(heads, bhc), triton.cdiv(nch * 64, bdc))](
-        part, pml, sinks, cos, sin, out,
-        part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-        H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32,
-        num_warps=4, **pdl_launch(q.device))
-    return out
+    return decode_combine.combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
 
 
 def main() -> int:
