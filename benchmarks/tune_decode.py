@@ -63,15 +63,11 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
 
 
 def scan_variants(batch: int) -> list[dict[str, Any]]:
-    """--scan-sweep: `indexer_scan` layouts and tiles at the default precision, the previous kernel
-    (scan=False) and bf16x2."""
-    out: list[dict[str, Any]] = [{}, dict(scan=False), dict(prefetch=False), dict(block_n=128), dict(num_stages=1),
-                                 dict(keys_m=False), dict(keys_m=False, prefetch=False),
-                                 dict(keys_m=False, block_n=128), dict(keys_m=False, block_n=128, prefetch=False),
-                                 dict(keys_m=False, num_warps=8, block_n=128), dict(num_warps=8, block_n=128)]
+    """--scan-sweep: the warp-specialised scan (the default where it runs) against the pointer scan
+    (ws=False), its stages and programs per SM."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (1, 2, 4, 8, 16, 32)]    # per SM in all
-    out += [dict(precision="bf16x2"), dict(precision="bf16x2", keys_m=False)]
+    out: list[dict[str, Any]] = [{}, dict(ws=False), dict(ws_stages=2), dict(ws_stages=3), dict(ws_stages=6)]
+    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (1, 2, 4, 6, 12)]    # per SM in all
     return out
 
 

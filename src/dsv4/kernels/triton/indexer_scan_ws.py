@@ -1,0 +1,234 @@
+"""Indexer scan for mxfp4 keys, warp-specialised (Gluon, sm_90): the decode scan of
+`indexer_scores.paged_indexer_scores` where a 64-key tile is one page of the indexer pool.
+
+    grid (B, P): program p scans key tiles p, p + P, ... of request b (tile i = block-table column
+    i: 64 keys of 68 bytes, 4 KB of packed E2M1 then 256 B of UE8M0 scales), then writes -inf to
+    its tiles past the request's entries.
+
+Two partitions (`gl.warp_specialize`), handing pages over through mbarriers:
+
+    loader  (1 warp): the block-table entries two tiles ahead; per tile one tensor-memory-access
+            copy of the page's key words and one of its scale words into a stage of NS.
+    scan    (4 warps, the default partition): q [64 heads, 128] bf16 into shared memory once; per
+            tile the words from the stage (then the stage is free), decoded to bf16 keys scaled by
+            2^(e_g - e_max) (`indexer_scan._E2M1_PAIR_ASM`, exact) into one of two NVMMA key tiles,
+            S^T [64 keys, 64 heads] = K . q^T as one asynchronous warpgroup MMA that runs while the
+            next tile is decoded, then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]).
+
+Why: the pointer scan (`indexer_scan`, 4 warps a program, its own loads pipelined by hand in
+registers) is latency-bound at B = 64 (~133 µs at 128K on an H200: its memory, issue and tensor
+floors are all under half used). Here no warp waits on a load it issued: the copies run a stage or
+more ahead without registers, and a tile's MMA overlaps the next tile's decode.
+
+Scores equal the pointer scan's bit for bit (same operands, one K = 128 dot, fp32 accumulation; the
+head sum in the accumulator's order may differ in the last bit). Static grid, no host reads:
+capturable in a CUDA graph. Measurements: benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier
+from dsv4.kernels.triton.indexer_scan import _E2M1_PAIR_ASM
+
+#: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
+EPB = 64
+_EPB = gl.constexpr(EPB)
+#: key words (8 E2M1 codes each) a key at D_I = 128, and bytes a page copies
+_NW = gl.constexpr(16)
+_PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
+#: pages in flight a program
+STAGES = 4
+#: registers a thread of the loader warp, and of the kernel (what the scan warps get)
+LOADER_REGS = 48
+MAXNREG = 128
+
+
+@gluon.constexpr_function
+def _pairs():
+    """[64 keys, 16 words, 4 pairs]: eight consecutive words of a key a thread (two threads a key,
+    sixteen keys a warp), the word's four decoded pairs beside them: a thread's 64 elements are
+    consecutive, one 128-byte piece of the key tile's row."""
+    return gl.BlockedLayout([1, 8, 4], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _acc():
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+
+
+@gluon.constexpr_function
+def _flat(rank):
+    """Shared layout of the copies' boxes: unswizzled, row-major."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=rank)
+
+
+@gluon.jit
+def _block(bt_row, tile, max_blocks):
+    """The page of key tile `tile` (block-table column `tile`; a clamped, non-negative id)."""
+    blk = gl.load(bt_row + gl.minimum(tile, max_blocks - 1))
+    return gl.maximum(blk, 0)
+
+
+@gluon.jit
+def _loader(raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks,
+            NS: gl.constexpr):
+    bt_row = bt_ptr + b.to(gl.int64) * s_bt
+    blk0 = _block(bt_row, p0, max_blocks)
+    blk1 = _block(bt_row, p0 + step, max_blocks)
+    for it in range(0, mine):
+        s = it % NS
+        mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), _PAGE_BYTES)
+        tma.async_copy_global_to_shared(d_desc, [blk0, 0, 0], ready.index(s), raw_d.index(s))
+        tma.async_copy_global_to_shared(s_desc, [blk0, 0], ready.index(s), raw_s.index(s))
+        blk0 = blk1
+        blk1 = _block(bt_row, p0 + (it + 2) * step, max_blocks)
+
+
+@gluon.jit
+def _decode(raw_d, raw_s, ready, free, k_t, i, NS: gl.constexpr):
+    """Tile i's page (stage i % NS) -> bf16 keys x 2^(e_g - e_max) into k_t; returns 2^e_max a key
+    in the accumulator's row layout. Frees the stage."""
+    P3: gl.constexpr = _pairs()
+    WL: gl.constexpr = gl.SliceLayout(2, P3)
+    s = i % NS
+    mbarrier.wait(ready.index(s), (i // NS) & 1)
+    page_d = raw_d.index(s)._reinterpret(gl.int32, [_EPB, 16], _flat(2))
+    page_s = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1))
+    words = gl.expand_dims(page_d.load(WL), 2)                                   # [64, 16, 1]
+    srow = page_s.load(gl.SliceLayout(1, WL))                                     # [64] scale words
+    srow_acc = page_s.load(gl.SliceLayout(1, _acc()))
+    # the key's largest group scale e_max, and per word 2^(126 + e_g - e_max) as bf16x2 bits
+    smax = srow & 0xFF
+    for g in gl.static_range(1, 4):
+        smax = gl.maximum(smax, (srow >> 8 * g) & 0xFF)
+    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0), 2)
+    byte = (gl.expand_dims(gl.expand_dims(srow, 1), 2) >> (8 * (j // 4))) & 0xFF
+    fe = gl.maximum(byte - gl.expand_dims(gl.expand_dims(smax, 1), 2) + 253, 1)  # 2^252 below e_max: 0
+    sc = (fe << 7) | (fe << 23)
+    amax = srow_acc & 0xFF
+    for g in gl.static_range(1, 4):
+        amax = gl.maximum(amax, (srow_acc >> 8 * g) & 0xFF)
+    glob = (amax << 23).to(gl.float32, bitcast=True)
+    # four pairs of codes a word, in element order (as `indexer_scan._decode_words`)
+    jp = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, P3))), 0), 1)
+    sel = 0x8480 + 0x0101 * jp + 0 * words
+    even = words & 0x0F0F0F0F
+    odd = (words >> 4) & 0x0F0F0F0F
+    pair = gl.inline_asm_elementwise(_E2M1_PAIR_ASM, "=r,r,r,r,r", [even + 0 * jp, odd + 0 * jp, sel, sc + 0 * jp],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+    lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
+    hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    k_t.store(gl.reshape(gl.join(lo, hi), [_EPB, 128]))
+    fence_async_shared()            # the keys' generic-proxy stores before the MMA's async-proxy reads
+    _barrier()                      # every warp's words read and keys stored ...
+    mbarrier.arrive(free.index(s))  # ... before the stage is refilled
+    return glob
+
+
+@gluon.jit
+def _scan(q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s, ready, free, b, p0, step, mine,
+          n_b, num_tiles, max_entries, out_scale, w_scale, NS: gl.constexpr):
+    ACC: gl.constexpr = _acc()
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
+    dq = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L)), 0)
+    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))
+    h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+    wts = gl.expand_dims(gl.load(w_ptr + b * s_wb + h).to(gl.float32) * w_scale, 0)
+    rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
+    out_row = out_ptr + b.to(gl.int64) * s_ob
+    qt = q_s.permute((1, 0))
+    zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
+    glob = gl.zeros([_EPB], gl.float32, layout=gl.SliceLayout(1, ACC))
+    if mine > 0:
+        glob = _decode(raw_d, raw_s, ready, free, k_s.index(0), 0, NS)   # (its barrier covers q's store)
+    for it in range(0, mine):
+        tok = warpgroup_mma(k_s.index(it % 2), qt, zero, use_acc=False, is_async=True)
+        glob_n = glob
+        if it + 1 < mine:
+            glob_n = _decode(raw_d, raw_s, ready, free, k_s.index((it + 1) % 2), it + 1, NS)
+        s = warpgroup_mma_wait(0, deps=[tok])
+        score = gl.sum(gl.maximum(s, 0.0) * wts, axis=1) * (glob * out_scale)    # glob > 0: after ReLU
+        offs = (p0 + it * step) * _EPB + rows
+        gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
+        glob = glob_n
+    # tiles past this request's entries: -inf only
+    nt = gl.cdiv(n_b, _EPB)
+    first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
+    for tile in range(first, num_tiles, step):
+        offs = tile * _EPB + rows
+        gl.store(out_row + offs, gl.full([_EPB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC)),
+                 mask=offs < max_entries)
+
+
+@gluon.jit
+def _scan_ws_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
+                    num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
+                    LOADER_REGS: gl.constexpr):
+    b = gl.program_id(0)
+    p0 = gl.program_id(1)
+    step = gl.num_programs(1)
+    n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
+    mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [2, _EPB, 128], Q_SL)
+    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
+    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    gl.warp_specialize([
+        (_scan, (q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s, ready, free, b, p0, step,
+                 mine, n_b, num_tiles, max_entries, out_scale, w_scale, NS)),
+        (_loader, (raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks, NS)),
+    ], [1], [LOADER_REGS])
+
+
+def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
+    """Whether the warp-specialised scan takes this call: mxfp4 keys at D_I = 128 and 64 heads, one
+    bf16 dot (prec 1: queries rounded to mxfp4), 64 keys a page, pages whose key words and scale
+    words the copies can address (16-byte aligned starts and page strides), an sm_90 GPU."""
+    if not (GLUON_OK and fmt_name == "mxfp4" and prec == 1 and epb == EPB and q.is_cuda and q.shape[1:] == (64, 128)
+            and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == t.shape[2] and t.stride(2) == 1
+               for t in (data, scale)) and data.shape[1:] == (EPB, 64) and scale.shape[1:] == (EPB, 4)
+
+
+def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Copies of one page: its key words [1, 64, 16] int32 and its scale words [1, 64] int32."""
+    nb = data.shape[0]
+    words = torch.as_strided(data.view(torch.int32), (nb, EPB, 16), (data.stride(0) // 4, 16, 1))
+    scales = torch.as_strided(scale.view(torch.int32), (nb, EPB), (scale.stride(0) // 4, 1))
+    return (TensorDescriptor.from_tensor(words, [1, EPB, 16], _flat(3)),
+            TensorDescriptor.from_tensor(scales, [1, EPB], _flat(2)))
+
+
+def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+           block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
+           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG):
+    """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
+    bsz = q.shape[0]
+    tiles = triton.cdiv(max_entries, EPB)
+    d_desc, s_desc = _descriptors(data, scale)
+    return _scan_ws_kernel[(bsz, max(1, min(programs, tiles)))](
+        q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
+        out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+        NS=stages, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=maxnreg)
