@@ -157,13 +157,13 @@ def main() -> int:
                    dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:
             report(f"scan {kw}", scn, "_indexer_scan_kernel",
                    lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, **kw))
-    if "scan" in which or "scan_ws" in which:
-        from dsv4.kernels.triton import indexer_scan_ws as ws
+    if "scan" in which or "scan_tma" in which:
+        from dsv4.kernels.triton import indexer_scan_tma as ts
         typed = ifmt.typed(pool.indexer)
         out = torch.empty(2, b.seq_len_bound // 4)
         for stages in (2, 4):
-            report(f"scan_ws stages={stages}", ws, "_scan_ws_kernel",
-                   lambda stages=stages: ws.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
+            report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel",
+                   lambda stages=stages: ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
                                                    b.seq_lens // 4, b.seq_len_bound // 4, 1.0, 8, stages=stages))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):

@@ -64,9 +64,9 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
 
 def scan_variants(batch: int) -> list[dict[str, Any]]:
     """--scan-sweep: the warp-specialised scan (the default where it runs) against the pointer scan
-    (ws=False), its stages and programs per SM."""
+    (tma=False), its stages and programs per SM."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    out: list[dict[str, Any]] = [{}, dict(ws=False), dict(ws_stages=2), dict(ws_stages=3), dict(ws_stages=6)]
+    out: list[dict[str, Any]] = [{}, dict(tma=False), dict(tma_stages=2), dict(tma_stages=3), dict(tma_stages=6)]
     out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (1, 2, 4, 6, 12)]    # per SM in all
     return out
 

@@ -37,7 +37,7 @@ from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import decode as ref
 from dsv4.kernels.triton import decode as tri
 from dsv4.kernels.triton import decode_attention as att
-from dsv4.kernels.triton import indexer_scan_ws as ws_scan
+from dsv4.kernels.triton import indexer_scan_tma as tma_scan
 from dsv4.kernels.triton.decode_attention_halves import HALF_WAVE_TILES, LONG_KEYS, default_splits
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION, SCAN_SOME_TILES
 
@@ -188,40 +188,40 @@ def test_indexer_scores_many_tiles():
     assert torch.isinf(out[0, lens[0] // 4:]).all()
 
 
-def _ws_args(ents: tuple[int, ...]):
+def _tma_args(ents: tuple[int, ...]):
     """V4 indexer shapes (64 heads, D_I 128, 64 keys a page) with these entry counts; skips where the
-    warp-specialised scan cannot run (it needs an sm_90 GPU)."""
+    TMA scan cannot run (it needs an sm_90 GPU)."""
     args = scores_args("real", "mxfp4", tuple(4 * e + 3 for e in ents), 64)
     typed = args[3].typed(args[2])
-    if not ws_scan.supported(args[0], typed["data"], typed["scale"], "mxfp4", args[7], 1):
-        pytest.skip("the warp-specialised indexer scan needs an sm_90 GPU (Hopper) and Triton >= 3.6")
+    if not tma_scan.supported(args[0], typed["data"], typed["scale"], "mxfp4", args[7], 1):
+        pytest.skip("the TMA indexer scan needs an sm_90 GPU (Hopper) and Triton >= 3.6")
     return args
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,stages", [(None, ws_scan.STAGES), (1, 2), (3, 3), (7, 6)])
-def test_indexer_scan_ws(programs, stages):
-    """The warp-specialised scan against the reference (exact operands: 1e-5) and the pointer scan
+@pytest.mark.parametrize("programs,stages", [(None, tma_scan.STAGES), (1, 2), (3, 3), (7, 6)])
+def test_indexer_scan_tma(programs, stages):
+    """The TMA scan against the reference (exact operands: 1e-5) and the pointer scan
     (same operands and dot: 1e-6), ragged requests ending at the page boundaries 63 / 64 / 65,
     127 / 128 / 129, 255 / 256 / 257 entries, empty and one-entry requests, programs sharing a
     request's pages (1 to 7), 2 to 6 pages in flight. The output is poisoned (NaN) first."""
-    args = _ws_args((0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000))
+    args = _tma_args((0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000))
     want = ref.paged_indexer_scores(*args)
     poison = torch.full_like(want, float("nan"))
     del poison                                        # the allocator hands the NaN block to the kernel's output
-    out = tri.paged_indexer_scores(*args, ws=True, num_programs=programs, ws_stages=stages)
+    out = tri.paged_indexer_scores(*args, tma=True, num_programs=programs, tma_stages=stages)
     close(out, want, scores_tol("mxfp4"))
-    ptr = tri.paged_indexer_scores(*args, ws=False)
+    ptr = tri.paged_indexer_scores(*args, tma=False)
     fin = torch.isfinite(want)
     assert max_rel(out[fin], ptr[fin]) <= 1e-6
     assert torch.isinf(out[0]).all() and torch.isfinite(out[1, :1]).all() and torch.isinf(out[1, 1:]).all()
 
 
 @pytest.mark.gpu
-def test_indexer_scan_ws_graph_replay():
+def test_indexer_scan_tma_graph_replay():
     """Captured once, replayed after the queries, weights and entry counts change in place (a shorter
     and a longer request): equal to eager calls on the new inputs."""
-    args = list(_ws_args((70, 300, 129, 1)))
+    args = list(_tma_args((70, 300, 129, 1)))
     q, w, nent = args[0].clone(), args[1].clone(), args[5].clone()
     args[0], args[1], args[5] = q, w, nent
     tri.paged_indexer_scores(*args)                                # compile outside the capture

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
-from dsv4.kernels.triton import indexer_scan, indexer_scan_ws
+from dsv4.kernels.triton import indexer_scan, indexer_scan_tma
 from dsv4.kernels.triton.decode_common import (
     Views,
     dot_prec,
@@ -64,8 +64,8 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 SCAN_MANY_TILES = 16384
 #: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
 SCAN_SOME_TILES = 2048
-#: the warp-specialised scan's programs per SM
-WS_PER_SM = 3
+#: the TMA scan's programs per SM (four fit: ~50 KB of shared memory, 4 warps at 128 registers)
+TMA_PER_SM = 4
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -140,8 +140,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
-                         prefetch: bool = True, keys_m: bool = True, ws: bool | None = None,
-                         ws_stages: int = indexer_scan_ws.STAGES) -> torch.Tensor:
+                         prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
+                         tma_stages: int = indexer_scan_tma.STAGES) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -157,9 +157,9 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             warps, pipeline depth, E2M1 decode variant (tuning).
         scan, prefetch, keys_m: E2M1 keys (mxfp4, nvfp4) at bf16 / bf16x2 run `indexer_scan` (keys on
             the dot's M side, hand-pipelined loads; decode is then unused) unless scan=False (tuning).
-        ws, ws_stages: mxfp4 keys at "bf16" on sm_90 with 64 keys a page run the warp-specialised
-            `indexer_scan_ws` (pages in flight through tensor-memory-access copies) unless ws=False;
-            ws=True where it cannot run raises. ws_stages: its pages in flight (tuning).
+        tma, tma_stages: mxfp4 keys at "bf16" on sm_90 with 64 keys a page run `indexer_scan_tma`
+            (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
+            it cannot run raises. tma_stages: its pages in flight (tuning).
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -188,15 +188,14 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     glob = typed.get("global", scale)          # fp8: the fp32 per-key scale; nvfp4: the global scale
     q = q.float().contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    ws_ok = scan is not False and indexer_scan_ws.supported(q, data, scale, fmt.name, epb, prec)
-    if ws and not ws_ok:
-        raise InputError("the warp-specialised scan takes mxfp4 keys at bf16, [B, 64, 128] queries, 64 keys a "
+    tma_ok = scan is not False and indexer_scan_tma.supported(q, data, scale, fmt.name, epb, prec)
+    if tma and not tma_ok:
+        raise InputError("the TMA indexer scan takes mxfp4 keys at bf16, [B, 64, 128] queries, 64 keys a "
                          "page and an sm_90 GPU")
-    if ws_ok and ws is not False:
-        # programs per SM: WS_PER_SM (3 fit: 67 KB of shared memory, 5 warps at 128 registers)
-        wnp = num_programs or max(1, triton.cdiv(WS_PER_SM * sm_count(q.device), bsz))
-        k = indexer_scan_ws.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
-                                   weight_scale, wnp, stages=ws_stages)
+    if tma_ok and tma is not False:
+        tnp = num_programs or max(1, triton.cdiv(TMA_PER_SM * sm_count(q.device), bsz))
+        k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
+                                    weight_scale, tnp, stages=tma_stages)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):

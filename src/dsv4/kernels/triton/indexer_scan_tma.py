@@ -1,28 +1,27 @@
-"""Indexer scan for mxfp4 keys, warp-specialised (Gluon, sm_90): the decode scan of
-`indexer_scores.paged_indexer_scores` where a 64-key tile is one page of the indexer pool.
+"""Indexer scan for mxfp4 keys with pages copied by the tensor memory accelerator (Gluon, sm_90): the
+decode scan of `indexer_scores.paged_indexer_scores` where a 64-key tile is one page of the
+indexer pool.
 
     grid (B, P): program p scans key tiles p, p + P, ... of request b (tile i = block-table column
     i: 64 keys of 68 bytes, 4 KB of packed E2M1 then 256 B of UE8M0 scales), then writes -inf to
     its tiles past the request's entries.
 
-Two partitions (`gl.warp_specialize`), handing pages over through mbarriers:
+One warpgroup a program. NS pages are in flight: per tile one copy of the page's key words and one
+of its scale words into a stage (`tma.async_copy_global_to_shared`, completing on the stage's
+mbarrier), issued NS tiles ahead when the stage is read. Per tile: the words from the stage,
+decoded to bf16 keys scaled by 2^(e_g - e_max) (`indexer_scan._E2M1_PAIR_ASM`, exact) into an
+NVMMA key tile, S^T [64 keys, 64 heads] = K . q^T as one warpgroup MMA (q [64 heads, 128] bf16 in
+shared memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). About
+50 KB of shared memory and 128 registers a thread: four programs an SM hide each other's MMA and
+decode.
 
-    loader  (1 warp): the block-table entries two tiles ahead; per tile one tensor-memory-access
-            copy of the page's key words and one of its scale words into a stage of NS.
-    scan    (4 warps, the default partition): q [64 heads, 128] bf16 into shared memory once; per
-            tile the words from the stage (then the stage is free), decoded to bf16 keys scaled by
-            2^(e_g - e_max) (`indexer_scan._E2M1_PAIR_ASM`, exact) into one of two NVMMA key tiles,
-            S^T [64 keys, 64 heads] = K . q^T as one asynchronous warpgroup MMA that runs while the
-            next tile is decoded, then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]).
+Why: the pointer scan (`indexer_scan`) loads each tile into registers a tile ahead and computes
+its addresses per key; no warp here waits on a global load (the copies run NS tiles ahead and
+hold no registers) and a tile costs one block-table lookup.
 
-Why: the pointer scan (`indexer_scan`, 4 warps a program, its own loads pipelined by hand in
-registers) is latency-bound at B = 64 (~133 µs at 128K on an H200: its memory, issue and tensor
-floors are all under half used). Here no warp waits on a load it issued: the copies run a stage or
-more ahead without registers, and a tile's MMA overlaps the next tile's decode.
-
-Scores equal the pointer scan's bit for bit (same operands, one K = 128 dot, fp32 accumulation; the
-head sum in the accumulator's order may differ in the last bit). Static grid, no host reads:
-capturable in a CUDA graph. Measurements: benchmarks/NOTES.md.
+Scores equal the pointer scan's to the fp32 summation order of the head sum (same operands, one
+K = 128 dot, fp32 accumulation). Static grid, no host reads: capturable in a CUDA graph.
+Measurements: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -51,8 +49,7 @@ _NW = gl.constexpr(16)
 _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 #: pages in flight a program
 STAGES = 4
-#: registers a thread of the loader warp, and of the kernel (what the scan warps get)
-LOADER_REGS = 48
+#: registers a thread: four programs an SM
 MAXNREG = 128
 
 
@@ -83,29 +80,19 @@ def _block(bt_row, tile, max_blocks):
 
 
 @gluon.jit
-def _loader(raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks,
-            NS: gl.constexpr):
-    bt_row = bt_ptr + b.to(gl.int64) * s_bt
-    blk0 = _block(bt_row, p0, max_blocks)
-    blk1 = _block(bt_row, p0 + step, max_blocks)
-    for it in range(0, mine):
-        s = it % NS
-        mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), _PAGE_BYTES)
-        tma.async_copy_global_to_shared(d_desc, [blk0, 0, 0], ready.index(s), raw_d.index(s))
-        tma.async_copy_global_to_shared(s_desc, [blk0, 0], ready.index(s), raw_s.index(s))
-        blk0 = blk1
-        blk1 = _block(bt_row, p0 + (it + 2) * step, max_blocks)
+def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
+    """The copies of page blk into stage s, completing on ready[s]."""
+    mbarrier.expect(ready.index(s), _PAGE_BYTES)
+    tma.async_copy_global_to_shared(d_desc, [blk, 0, 0], ready.index(s), raw_d.index(s))
+    tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
 
 
 @gluon.jit
-def _decode(raw_d, raw_s, ready, free, k_t, i, NS: gl.constexpr):
-    """Tile i's page (stage i % NS) -> bf16 keys x 2^(e_g - e_max) into k_t; returns 2^e_max a key
-    in the accumulator's row layout. Frees the stage."""
+def _decode(raw_d, raw_s, k_t, s):
+    """Stage s's page -> bf16 keys x 2^(e_g - e_max) into k_t; returns 2^e_max a key in the
+    accumulator's row layout."""
     P3: gl.constexpr = _pairs()
     WL: gl.constexpr = gl.SliceLayout(2, P3)
-    s = i % NS
-    mbarrier.wait(ready.index(s), (i // NS) & 1)
     page_d = raw_d.index(s)._reinterpret(gl.int32, [_EPB, 16], _flat(2))
     page_s = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1))
     words = gl.expand_dims(page_d.load(WL), 2)                                   # [64, 16, 1]
@@ -122,7 +109,6 @@ def _decode(raw_d, raw_s, ready, free, k_t, i, NS: gl.constexpr):
     amax = srow_acc & 0xFF
     for g in gl.static_range(1, 4):
         amax = gl.maximum(amax, (srow_acc >> 8 * g) & 0xFF)
-    glob = (amax << 23).to(gl.float32, bitcast=True)
     # four pairs of codes a word, in element order (as `indexer_scan._decode_words`)
     jp = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, P3))), 0), 1)
     sel = 0x8480 + 0x0101 * jp + 0 * words
@@ -133,15 +119,31 @@ def _decode(raw_d, raw_s, ready, free, k_t, i, NS: gl.constexpr):
     lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     k_t.store(gl.reshape(gl.join(lo, hi), [_EPB, 128]))
-    fence_async_shared()            # the keys' generic-proxy stores before the MMA's async-proxy reads
-    _barrier()                      # every warp's words read and keys stored ...
-    mbarrier.arrive(free.index(s))  # ... before the stage is refilled
-    return glob
+    return (amax << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _scan(q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s, ready, free, b, p0, step, mine,
-          n_b, num_tiles, max_entries, out_scale, w_scale, NS: gl.constexpr):
+def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
+                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr):
+    b = gl.program_id(0)
+    p0 = gl.program_id(1)
+    step = gl.num_programs(1)
+    n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
+    mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [_EPB, 128], Q_SL)
+    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
+    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()            # the barriers' initialisation before the copies use them
+    bt_row = bt_ptr + b.to(gl.int64) * s_bt
+    for i in gl.static_range(NS):   # the first NS pages in flight
+        if i < mine:
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
+
     ACC: gl.constexpr = _acc()
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
@@ -153,19 +155,19 @@ def _scan(q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s,
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
     zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
-    glob = gl.zeros([_EPB], gl.float32, layout=gl.SliceLayout(1, ACC))
-    if mine > 0:
-        glob = _decode(raw_d, raw_s, ready, free, k_s.index(0), 0, NS)   # (its barrier covers q's store)
     for it in range(0, mine):
-        tok = warpgroup_mma(k_s.index(it % 2), qt, zero, use_acc=False, is_async=True)
-        glob_n = glob
-        if it + 1 < mine:
-            glob_n = _decode(raw_d, raw_s, ready, free, k_s.index((it + 1) % 2), it + 1, NS)
-        s = warpgroup_mma_wait(0, deps=[tok])
-        score = gl.sum(gl.maximum(s, 0.0) * wts, axis=1) * (glob * out_scale)    # glob > 0: after ReLU
+        s = it % NS
+        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)      # the refill's page, under the wait
+        mbarrier.wait(ready.index(s), (it // NS) & 1)
+        glob = _decode(raw_d, raw_s, k_s, s)
+        fence_async_shared()        # the keys' generic-proxy stores before the MMA's async-proxy reads
+        _barrier()                  # every warp's keys stored and stage s read ...
+        if it + NS < mine:          # ... so the stage refills, NS tiles ahead
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+        acc = warpgroup_mma(k_s, qt, zero, use_acc=False)
+        score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)  # glob > 0: after ReLU
         offs = (p0 + it * step) * _EPB + rows
         gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
-        glob = glob_n
     # tiles past this request's entries: -inf only
     nt = gl.cdiv(n_b, _EPB)
     first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
@@ -175,34 +177,8 @@ def _scan(q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s,
                  mask=offs < max_entries)
 
 
-@gluon.jit
-def _scan_ws_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
-                    num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
-                    LOADER_REGS: gl.constexpr):
-    b = gl.program_id(0)
-    p0 = gl.program_id(1)
-    step = gl.num_programs(1)
-    n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
-    mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
-    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [2, _EPB, 128], Q_SL)
-    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=1)
-    gl.warp_specialize([
-        (_scan, (q_ptr, w_ptr, out_ptr, s_qb, s_qh, s_wb, s_ob, q_s, k_s, raw_d, raw_s, ready, free, b, p0, step,
-                 mine, n_b, num_tiles, max_entries, out_scale, w_scale, NS)),
-        (_loader, (raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks, NS)),
-    ], [1], [LOADER_REGS])
-
-
 def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
-    """Whether the warp-specialised scan takes this call: mxfp4 keys at D_I = 128 and 64 heads, one
+    """Whether the TMA scan takes this call: mxfp4 keys at D_I = 128 and 64 heads, one
     bf16 dot (prec 1: queries rounded to mxfp4), 64 keys a page, pages whose key words and scale
     words the copies can address (16-byte aligned starts and page strides), an sm_90 GPU."""
     if not (GLUON_OK and fmt_name == "mxfp4" and prec == 1 and epb == EPB and q.is_cuda and q.shape[1:] == (64, 128)
@@ -228,7 +204,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
     d_desc, s_desc = _descriptors(data, scale)
-    return _scan_ws_kernel[(bsz, max(1, min(programs, tiles)))](
+    return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
         q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
-        NS=stages, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=maxnreg)
+        NS=stages, num_warps=4, maxnreg=maxnreg)
