@@ -9,11 +9,12 @@ indexer pool.
 One warpgroup a program. NS pages are in flight: per tile one copy of the page's key words and one
 of its scale words into a stage (`tma.async_copy_global_to_shared`, completing on the stage's
 mbarrier), issued NS tiles ahead when the stage is read. Per tile: the words from the stage,
-decoded to bf16 keys scaled by 2^(e_g - e_max) (`indexer_scan._E2M1_PAIR_ASM`, exact) into an
-NVMMA key tile, S^T [64 keys, 64 heads] = K . q^T as one warpgroup MMA (q [64 heads, 128] bf16 in
-shared memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). About
-50 KB of shared memory and 128 registers a thread: four programs an SM hide each other's MMA and
-decode.
+decoded to bf16 keys scaled by 2^(e_g - e_max) (exact) straight into the registers of the
+warpgroup MMA's A operand, S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared
+memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). No key tile
+goes through shared memory: a tile moves ~25 KB there (its copy, its words read, q read by the
+MMA) instead of ~57 KB when the decoded keys are stored and read back, which bound the first forms
+of this kernel (and the pointer scan) at the shared-memory bandwidth.
 
 Why: the pointer scan (`indexer_scan`) loads each tile into registers a tile ahead and computes
 its addresses per key; no warp here waits on a global load (the copies run NS tiles ahead and
@@ -39,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier
-from dsv4.kernels.triton.indexer_scan import _E2M1_PAIR_ASM
 
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
@@ -54,11 +54,13 @@ MAXNREG = 128
 
 
 @gluon.constexpr_function
-def _pairs():
-    """[64 keys, 16 words, 4 pairs]: eight consecutive words of a key a thread (two threads a key,
-    sixteen keys a warp), the word's four decoded pairs beside them: a thread's 64 elements are
-    consecutive, one 128-byte piece of the key tile's row."""
-    return gl.BlockedLayout([1, 8, 4], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+def _keys():
+    """[4, 2, 8, 16, 4] = (warp, row half, row group, key word, pair): key row 16 w + 8 h + g, as the
+    warpgroup MMA's register operand holds it (rows g and g + 8 of each warp's 16, lane 4 g + t).
+    A thread holds all 16 words of its two rows (the four lanes of a row group read the same words:
+    shared-memory broadcasts) and decodes pair t of each: elements 8 j + 2 t, 8 j + 2 t + 1, the
+    operand's columns for lane t."""
+    return gl.BlockedLayout([1, 2, 1, 16, 1], [1, 1, 8, 1, 4], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -87,39 +89,57 @@ def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
     tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
 
 
+# Pair t of a key word -> bf16x2 (as `indexer_scan._E2M1_PAIR_ASM`): $1 the word, $2 the PRMT
+# selector t | (4 + t) << 8 (byte 0 <- byte t of the word: elements 2t, 2t+1 as its low / high
+# nibble; byte 2 <- byte t of the word >> 4: element 2t+1 as its low nibble), masked to the two
+# codes at bits 0-3 and 16-19; times 2^6 + 2^12 and masked: each half's bf16 of value * 2^-126;
+# $3 the bf16x2 factor 2^(126 + e_g - e_max). 6 instructions a pair, no shared-memory staging.
+_E2M1_WORD_PAIR_ASM = gl.constexpr("""{
+.reg .b32 t, u;
+shr.b32 u, $1, 4;
+prmt.b32 t, $1, u, $2;
+and.b32 t, t, 0x000F000F;
+mul.lo.u32 t, t, 4160;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $3;
+}""")
+
+
 @gluon.jit
-def _decode(raw_d, raw_s, k_t, s):
-    """Stage s's page -> bf16 keys x 2^(e_g - e_max) into k_t; returns 2^e_max a key in the
-    accumulator's row layout."""
-    P3: gl.constexpr = _pairs()
-    WL: gl.constexpr = gl.SliceLayout(2, P3)
-    page_d = raw_d.index(s)._reinterpret(gl.int32, [_EPB, 16], _flat(2))
-    page_s = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1))
-    words = gl.expand_dims(page_d.load(WL), 2)                                   # [64, 16, 1]
-    srow = page_s.load(gl.SliceLayout(1, WL))                                     # [64] scale words
-    srow_acc = page_s.load(gl.SliceLayout(1, _acc()))
+def _decode(raw_d, raw_s, s):
+    """Stage s's page -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
+    layout, 2^e_max a key in the accumulator's row layout)."""
+    K5: gl.constexpr = _keys()
+    K4: gl.constexpr = gl.SliceLayout(4, K5)
+    K3: gl.constexpr = gl.SliceLayout(3, K4)
+    page_d = raw_d.index(s)._reinterpret(gl.int32, [4, 2, 8, 16], _flat(4))
+    page_s = raw_s.index(s)._reinterpret(gl.int32, [4, 2, 8], _flat(3))
+    words = page_d.load(K4)                                                      # [4, 2, 8, 16]
+    srow = page_s.load(K3)                                                       # [4, 2, 8] scale words
+    srow_acc = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1)).load(gl.SliceLayout(1, _acc()))
     # the key's largest group scale e_max, and per word 2^(126 + e_g - e_max) as bf16x2 bits
     smax = srow & 0xFF
     for g in gl.static_range(1, 4):
         smax = gl.maximum(smax, (srow >> 8 * g) & 0xFF)
-    j = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WL)), 0), 2)
-    byte = (gl.expand_dims(gl.expand_dims(srow, 1), 2) >> (8 * (j // 4))) & 0xFF
-    fe = gl.maximum(byte - gl.expand_dims(gl.expand_dims(smax, 1), 2) + 253, 1)  # 2^252 below e_max: 0
-    sc = (fe << 7) | (fe << 23)
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K4))))
+    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0)                 # [1, 1, 1, 16]
+    byte = (gl.expand_dims(srow, 3) >> (8 * (j // 4))) & 0xFF
+    fe = gl.maximum(byte - gl.expand_dims(smax, 3) + 253, 1)                      # 2^252 below e_max: 0
+    sc = gl.expand_dims((fe << 7) | (fe << 23), 4)
     amax = srow_acc & 0xFF
     for g in gl.static_range(1, 4):
         amax = gl.maximum(amax, (srow_acc >> 8 * g) & 0xFF)
-    # four pairs of codes a word, in element order (as `indexer_scan._decode_words`)
-    jp = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, P3))), 0), 1)
-    sel = 0x8480 + 0x0101 * jp + 0 * words
-    even = words & 0x0F0F0F0F
-    odd = (words >> 4) & 0x0F0F0F0F
-    pair = gl.inline_asm_elementwise(_E2M1_PAIR_ASM, "=r,r,r,r,r", [even + 0 * jp, odd + 0 * jp, sel, sc + 0 * jp],
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K5)))))
+    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
+    w5 = gl.expand_dims(words, 4)
+    pair = gl.inline_asm_elementwise(_E2M1_WORD_PAIR_ASM, "=r,r,r,r", [w5 + 0 * t, t + 0x0400 + 0x0100 * t + 0 * w5,
+                                                                     sc + 0 * t],
                                      dtype=gl.int32, is_pure=True, pack=1)
     lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-    k_t.store(gl.reshape(gl.join(lo, hi), [_EPB, 128]))
-    return (amax << 23).to(gl.float32, bitcast=True)
+    keys = gl.reshape(gl.join(lo, hi), [_EPB, 128])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc(), k_width=2)
+    return gl.convert_layout(keys, A_L), (amax << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -132,7 +152,6 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
     Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [_EPB, 128], Q_SL)
     raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
     raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -149,6 +168,8 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
     hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
     dq = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L)), 0)
     q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))
+    fence_async_shared()            # q's generic-proxy stores before the MMAs' async-proxy reads
+    _barrier()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
     wts = gl.expand_dims(gl.load(w_ptr + b * s_wb + h).to(gl.float32) * w_scale, 0)
     rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
@@ -159,12 +180,11 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
         s = it % NS
         blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)      # the refill's page, under the wait
         mbarrier.wait(ready.index(s), (it // NS) & 1)
-        glob = _decode(raw_d, raw_s, k_s, s)
-        fence_async_shared()        # the keys' generic-proxy stores before the MMA's async-proxy reads
-        _barrier()                  # every warp's keys stored and stage s read ...
-        if it + NS < mine:          # ... so the stage refills, NS tiles ahead
+        keys, glob = _decode(raw_d, raw_s, s)
+        _barrier()                  # every warp has read stage s ...
+        if it + NS < mine:          # ... so it refills, NS tiles ahead
             _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
-        acc = warpgroup_mma(k_s, qt, zero, use_acc=False)
+        acc = warpgroup_mma(keys, qt, zero, use_acc=False)
         score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)  # glob > 0: after ReLU
         offs = (p0 + it * step) * _EPB + rows
         gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
