@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -51,6 +52,8 @@ _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 STAGES = 4
 #: registers a thread: four programs an SM
 MAXNREG = 128
+#: a tile's MMA asynchronous, under the next tile's decode
+OVERLAP = True
 
 
 @gluon.constexpr_function
@@ -143,8 +146,28 @@ def _decode(raw_d, raw_s, s):
 
 
 @gluon.jit
+def _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, i, mine, max_blocks, NS: gl.constexpr):
+    """Tile i's keys and key scales from its stage, which then refills with tile i + NS's page."""
+    s = i % NS
+    blk = _block(bt_row, p0 + (i + NS) * step, max_blocks)      # the refill's page, under the wait
+    mbarrier.wait(ready.index(s), (i // NS) & 1)
+    keys, glob = _decode(raw_d, raw_s, s)
+    _barrier()                  # every warp has read stage s ...
+    if i + NS < mine:           # ... so it refills, NS tiles ahead
+        _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+    return keys, glob
+
+
+@gluon.jit
+def _score(acc, wts, glob, out_row, offs, n_b, max_entries, out_scale):
+    score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)      # glob > 0: after ReLU
+    gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
+
+
+@gluon.jit
 def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
-                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr):
+                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
+                     OVERLAP: gl.constexpr):
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
@@ -176,18 +199,21 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
     zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
-    for it in range(0, mine):
-        s = it % NS
-        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)      # the refill's page, under the wait
-        mbarrier.wait(ready.index(s), (it // NS) & 1)
-        keys, glob = _decode(raw_d, raw_s, s)
-        _barrier()                  # every warp has read stage s ...
-        if it + NS < mine:          # ... so it refills, NS tiles ahead
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
-        acc = warpgroup_mma(keys, qt, zero, use_acc=False)
-        score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)  # glob > 0: after ReLU
-        offs = (p0 + it * step) * _EPB + rows
-        gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
+    if OVERLAP:     # tile it's MMA runs while tile it + 1 is decoded (two key operands live)
+        keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, 0, mine, max_blocks, NS)
+        for it in range(0, mine):
+            tok = warpgroup_mma(keys, qt, zero, use_acc=False, is_async=True)
+            keys_c, glob_c = keys, glob
+            if it + 1 < mine:
+                keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it + 1, mine, max_blocks,
+                                   NS)
+            acc, _ = warpgroup_mma_wait(0, deps=[tok, keys_c])
+            _score(acc, wts, glob_c, out_row, (p0 + it * step) * _EPB + rows, n_b, max_entries, out_scale)
+    else:
+        for it in range(0, mine):
+            keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it, mine, max_blocks, NS)
+            acc = warpgroup_mma(keys, qt, zero, use_acc=False)
+            _score(acc, wts, glob, out_row, (p0 + it * step) * _EPB + rows, n_b, max_entries, out_scale)
     # tiles past this request's entries: -inf only
     nt = gl.cdiv(n_b, _EPB)
     first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
@@ -219,7 +245,8 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
 
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG):
+           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG,
+           overlap: bool = OVERLAP):
     """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
@@ -227,4 +254,4 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
         q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
-        NS=stages, num_warps=4, maxnreg=maxnreg)
+        NS=stages, OVERLAP=overlap, num_warps=4, maxnreg=maxnreg)

@@ -141,7 +141,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
-                         tma_stages: int = indexer_scan_tma.STAGES) -> torch.Tensor:
+                         tma_stages: int = indexer_scan_tma.STAGES, tma_overlap: bool = indexer_scan_tma.OVERLAP) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -159,7 +159,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             the dot's M side, hand-pipelined loads; decode is then unused) unless scan=False (tuning).
         tma, tma_stages: mxfp4 keys at "bf16" on sm_90 with 64 keys a page run `indexer_scan_tma`
             (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
-            it cannot run raises. tma_stages: its pages in flight (tuning).
+            it cannot run raises. tma_stages, tma_overlap: its pages in flight, its MMA under the
+            next tile's decode (tuning).
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -195,7 +196,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     if tma_ok and tma is not False:
         tnp = num_programs or max(1, triton.cdiv(TMA_PER_SM * sm_count(q.device), bsz))
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
-                                    weight_scale, tnp, stages=tma_stages)
+                                    weight_scale, tnp, stages=tma_stages, overlap=tma_overlap)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
