@@ -161,11 +161,10 @@ def main() -> int:
         from dsv4.kernels.triton import indexer_scan_tma as ts
         typed = ifmt.typed(pool.indexer)
         out = torch.empty(2, b.seq_len_bound // 4)
-        for stages, overlap in ((2, True), (4, True), (2, False)):
-            report(f"scan_tma stages={stages} overlap={overlap}", ts, "_scan_tma_kernel",
-                   lambda stages=stages, overlap=overlap: ts.launch(
-                       qi, g, out, typed["data"], typed["scale"], b.block_table, b.seq_lens // 4,
-                       b.seq_len_bound // 4, 1.0, 8, stages=stages, overlap=overlap))
+        for stages in (2, 4):
+            report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel",
+                   lambda stages=stages: ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
+                                                   b.seq_lens // 4, b.seq_len_bound // 4, 1.0, 8, stages=stages))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

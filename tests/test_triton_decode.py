@@ -224,18 +224,18 @@ def test_indexer_scan_tma_graph_replay():
     args = list(_tma_args((70, 300, 129, 1)))
     q, w, nent = args[0].clone(), args[1].clone(), args[5].clone()
     args[0], args[1], args[5] = q, w, nent
-    tri.paged_indexer_scores(*args)                                # compile outside the capture
+    tri.paged_indexer_scores(*args, tma=True)                      # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tri.paged_indexer_scores(*args)
+        out = tri.paged_indexer_scores(*args, tma=True)
     g = torch.Generator().manual_seed(5)
     q.copy_(args[3].round_query(torch.randn(q.shape, generator=g).to(DEVICE)))
     w.copy_(torch.randn(w.shape, generator=g).to(DEVICE))
     nent.copy_(torch.tensor([64, 257, 128, 0], device=DEVICE, dtype=nent.dtype))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, tri.paged_indexer_scores(*args))
+    assert torch.equal(out, tri.paged_indexer_scores(*args, tma=True))
     close(out, ref.paged_indexer_scores(*args), scores_tol("mxfp4"))
 
 

@@ -64,8 +64,9 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 SCAN_MANY_TILES = 16384
 #: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
 SCAN_SOME_TILES = 2048
-#: the TMA scan's programs per SM (four fit: ~50 KB of shared memory, 4 warps at 128 registers)
-TMA_PER_SM = 4
+#: the TMA scan (`indexer_scan_tma`) from this many 64-key tiles in the batch (B = 16 at 128K: 12% faster
+#: than the pointer scan on an H100; even at 2,048 tiles, slower at B = 1)
+TMA_TILES = 8192
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -141,8 +142,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
-                         tma_stages: int = indexer_scan_tma.STAGES,
-                         tma_overlap: bool = indexer_scan_tma.OVERLAP) -> torch.Tensor:
+                         tma_stages: int = indexer_scan_tma.STAGES) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -160,8 +160,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             the dot's M side, hand-pipelined loads; decode is then unused) unless scan=False (tuning).
         tma, tma_stages: mxfp4 keys at "bf16" on sm_90 with 64 keys a page run `indexer_scan_tma`
             (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
-            it cannot run raises. tma_stages, tma_overlap: its pages in flight, its MMA under the
-            next tile's decode (tuning).
+            it cannot run raises; by default it runs from TMA_TILES key tiles in the batch.
+            tma_stages: its pages in flight (tuning).
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -194,10 +194,14 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     if tma and not tma_ok:
         raise InputError("the TMA indexer scan takes mxfp4 keys at bf16, [B, 64, 128] queries, 64 keys a "
                          "page and an sm_90 GPU")
-    if tma_ok and tma is not False:
-        tnp = num_programs or max(1, triton.cdiv(TMA_PER_SM * sm_count(q.device), bsz))
+    total = bsz * triton.cdiv(max_entries, 64)
+    if tma_ok and (tma or (tma is None and total >= TMA_TILES)):
+        # programs per SM as the pointer scan's (16 from SCAN_MANY_TILES tiles, else 4): H100, 128K B = 64,
+        # 4 / 8 / 12 / 16 / 24 per SM (sweep, NOTES.md thirty-second round)
+        per_sm = 16 if total >= SCAN_MANY_TILES else 4
+        tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
-                                    weight_scale, tnp, stages=tma_stages, overlap=tma_overlap)
+                                    weight_scale, tnp, stages=tma_stages)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
