@@ -64,9 +64,10 @@ _NVFP4: tl.constexpr = tl.constexpr(4)
 SCAN_MANY_TILES = 16384
 #: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
 SCAN_SOME_TILES = 2048
-#: the TMA scan (`indexer_scan_tma`) from this many 64-key tiles in the batch (B = 16 at 128K: 12% faster
-#: than the pointer scan on an H100; even at 2,048 tiles, slower at B = 1)
-TMA_TILES = 8192
+#: the TMA scan (`indexer_scan_tma`) from this many 64-key tiles in the batch. H100, 128K, TMA / pointer
+#: scan µs: B = 64 110.5 / 130.9, B = 16 34.8 / 39.2, B = 8 (4,096 tiles) 21.5 / 23.1, B = 4 15.5 / 15.6,
+#: B = 1 9.5 / 9.3
+TMA_TILES = 4096
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
