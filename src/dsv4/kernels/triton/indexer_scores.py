@@ -143,7 +143,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_programs: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
-                         tma_stages: int = indexer_scan_tma.STAGES, tma_maxnreg: int = indexer_scan_tma.MAXNREG) -> torch.Tensor:
+                         tma_stages: int = indexer_scan_tma.STAGES,
+                         tma_maxnreg: int = indexer_scan_tma.MAXNREG) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
