@@ -13,12 +13,16 @@ decoded to bf16 keys scaled by 2^(e_g - e_max) (exact) straight into the registe
 warpgroup MMA's A operand, S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared
 memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). No key tile
 goes through shared memory: a tile moves ~25 KB there (its copy, its words read, q read by the
-MMA) instead of ~57 KB when the decoded keys are stored and read back, which bound the first forms
-of this kernel (and the pointer scan) at the shared-memory bandwidth.
+MMA) instead of ~57 KB when the decoded keys are stored and read back. 25 KB of shared memory and
+112 registers a thread: four programs an SM.
 
 Why: the pointer scan (`indexer_scan`) loads each tile into registers a tile ahead and computes
 its addresses per key; no warp here waits on a global load (the copies run NS tiles ahead and
-hold no registers) and a tile costs one block-table lookup.
+hold no registers) and a tile costs one block-table lookup. Two first forms were no faster than
+the pointer scan (H100, 128K B = 64: 149 µs against 131): a warp-specialised one (a 1-warp copy
+partition, padded by Triton to 8 warps a program: 2 programs an SM) and this one storing the
+decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~382 instructions a warp a
+tile (192 of them the decode, 64 the ReLU and head sum) at 58% of the issue slots (ncu).
 
 Scores equal the pointer scan's to the fp32 summation order of the head sum (same operands, one
 K = 128 dot, fp32 accumulation). Static grid, no host reads: capturable in a CUDA graph.
@@ -44,12 +48,11 @@ from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
 _EPB = gl.constexpr(EPB)
-#: key words (8 E2M1 codes each) a key at D_I = 128, and bytes a page copies
-_NW = gl.constexpr(16)
+#: bytes a page copies (64 keys of 16 words of 8 E2M1 codes, and their 4 scale bytes)
 _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 #: pages in flight a program (H100, 128K, B = 64 / 16: 2 stages 1-5% faster than 3-4: more programs fit)
 STAGES = 2
-#: registers a thread: four programs an SM
+#: registers a thread: four programs an SM (96, five with 2 spills, and 104 measured no faster)
 MAXNREG = 128
 
 
