@@ -211,85 +211,6 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
                  mask=offs < max_entries)
 
 
-@gluon.jit
-def _consumer(q_s, raw_d, raw_s, ready, free, w_ptr, out_ptr, s_wb, s_ob, b, p0, step, mine, n_b, max_entries,
-              out_scale, w_scale, C: gl.constexpr, NS: gl.constexpr):
-    """WS form: tiles C, C + 2, ... of the program's, from stages C * NS .. C * NS + NS - 1."""
-    ACC: gl.constexpr = _acc()
-    h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
-    wts = gl.expand_dims(gl.load(w_ptr + b * s_wb + h).to(gl.float32) * w_scale, 0)
-    rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
-    out_row = out_ptr + b.to(gl.int64) * s_ob
-    qt = q_s.permute((1, 0))
-    zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
-    for j in range(0, (mine - C + 1) // 2):
-        s = C * NS + j % NS
-        mbarrier.wait(ready.index(s), (j // NS) & 1)
-        keys, glob = _decode(raw_d, raw_s, s)
-        _barrier()                  # every warp of this consumer has read stage s
-        mbarrier.arrive(free.index(s))
-        acc = warpgroup_mma(keys, qt, zero, use_acc=False)
-        _score(acc, wts, glob, out_row, (p0 + (C + 2 * j) * step) * _EPB + rows, n_b, max_entries, out_scale)
-
-
-@gluon.jit
-def _loader(raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks,
-            NS: gl.constexpr):
-    """WS form: tile it's page into consumer it % 2's next stage, when that stage is free."""
-    bt_row = bt_ptr + b.to(gl.int64) * s_bt
-    blk = _block(bt_row, p0, max_blocks)
-    for it in range(0, mine):
-        j = it // 2
-        s = (it % 2) * NS + j % NS
-        blk_n = _block(bt_row, p0 + (it + 1) * step, max_blocks)
-        mbarrier.wait(free.index(s), ((j // NS) & 1) ^ 1)
-        _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
-        blk = blk_n
-
-
-@gluon.jit
-def _scan_ws_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
-                    num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Two consumer warpgroups (alternate tiles) and a copy warp a program, no CTA barrier a tile."""
-    b = gl.program_id(0)
-    p0 = gl.program_id(1)
-    step = gl.num_programs(1)
-    n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
-    mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
-    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
-    raw_d = gl.allocate_shared_memory(gl.int32, [2 * NS, 1, _EPB, 16], d_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.int32, [2 * NS, 1, _EPB], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [2 * NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=1)
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
-    dq = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L)), 0)
-    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))
-    fence_async_shared()            # q and the barriers before the copies and the MMAs
-    _barrier()
-    gl.warp_specialize([
-        (_consumer, (q_s, raw_d, raw_s, ready, free, w_ptr, out_ptr, s_wb, s_ob, b, p0, step, mine, n_b,
-                     max_entries, out_scale, w_scale, 0, NS)),
-        (_consumer, (q_s, raw_d, raw_s, ready, free, w_ptr, out_ptr, s_wb, s_ob, b, p0, step, mine, n_b,
-                     max_entries, out_scale, w_scale, 1, NS)),
-        (_loader, (raw_d, raw_s, ready, free, d_desc, s_desc, bt_ptr, s_bt, b, p0, step, mine, max_blocks, NS)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    # tiles past this request's entries: -inf only
-    rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc()))
-    out_row = out_ptr + b.to(gl.int64) * s_ob
-    nt = gl.cdiv(n_b, _EPB)
-    first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
-    for tile in range(first, num_tiles, step):
-        offs = tile * _EPB + rows
-        gl.store(out_row + offs, gl.full([_EPB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _acc())),
-                 mask=offs < max_entries)
-
-
 def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
     """Whether the TMA scan takes this call: mxfp4 keys at D_I = 128 and 64 heads, one
     bf16 dot (prec 1: queries rounded to mxfp4), 64 keys a page, pages whose key words and scale
@@ -312,16 +233,12 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
 
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG, ws: bool = False,
-           ws_regs: tuple[int, int, int] = (80, 104, 24)):
+           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG):
     """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
     d_desc, s_desc = _descriptors(data, scale)
-    grid = (bsz, max(1, min(programs, tiles)))
-    args = (q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
-            out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale)
-    if ws:
-        return _scan_ws_kernel[grid](*args, NS=stages, CONSUMER_REGS=ws_regs[1], LOADER_REGS=ws_regs[2], num_warps=4,
-                                     maxnreg=ws_regs[0])
-    return _scan_tma_kernel[grid](*args, NS=stages, num_warps=4, maxnreg=maxnreg)
+    return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
+        q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
+        out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+        NS=stages, num_warps=4, maxnreg=maxnreg)
