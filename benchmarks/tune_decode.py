@@ -63,8 +63,8 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
 
 
 def scan_variants(batch: int) -> list[dict[str, Any]]:
-    """--scan-sweep: the warp-specialised scan (the default where it runs) against the pointer scan
-    (tma=False), its stages and programs per SM."""
+    """--scan-sweep: the TMA scan (`indexer_scan_tma`, the default where it runs) against the pointer
+    scan (tma=False), its stages, registers and programs per SM."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     out: list[dict[str, Any]] = [{}, dict(tma=False), dict(tma_stages=3), dict(tma=True),
                                  dict(tma_maxnreg=104), dict(tma_maxnreg=96), dict(tma_maxnreg=80),
