@@ -165,10 +165,6 @@ def main() -> int:
             report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel",
                    lambda stages=stages: ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
                                                    b.seq_lens // 4, b.seq_len_bound // 4, 1.0, 8, stages=stages))
-        for regs in (128, 144, 168):
-            report(f"scan_tma lag maxnreg={regs}", ts, "_scan_tma_kernel",
-                   lambda regs=regs: ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
-                                               b.seq_lens // 4, b.seq_len_bound // 4, 1.0, 8, lag=True, maxnreg=regs))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

@@ -66,10 +66,11 @@ def scan_variants(batch: int) -> list[dict[str, Any]]:
     """--scan-sweep: the TMA scan (`indexer_scan_tma`, the default where it runs) against the pointer
     scan (tma=False), its stages, registers and programs per SM."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    out: list[dict[str, Any]] = [{}, dict(tma=False), dict(tma_stages=3), dict(tma_lag=True),
-                                 dict(tma_lag=True, tma_stages=3), dict(tma_lag=True, tma_maxnreg=168)]
-    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (4, 8, 16)]    # per SM in all
-    out += [dict(num_programs=-(-per_sm * sms // batch), tma_lag=True) for per_sm in (4, 8, 16)]
+    out: list[dict[str, Any]] = [{}, dict(tma=False), dict(tma_stages=3), dict(tma=True),
+                                 dict(tma_maxnreg=104), dict(tma_maxnreg=96), dict(tma_maxnreg=80),
+                                 dict(tma_maxnreg=96, tma_stages=3)]
+    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (4, 8, 16, 24)]    # per SM in all
+    out += [dict(num_programs=-(-per_sm * sms // batch), tma_maxnreg=96) for per_sm in (5, 10, 20)]
     return out
 
 

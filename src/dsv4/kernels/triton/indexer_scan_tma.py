@@ -40,7 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -167,8 +166,7 @@ def _score(acc, wts, glob, out_row, offs, n_b, max_entries, out_scale):
 
 @gluon.jit
 def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
-                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
-                     LAG: gl.constexpr):
+                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr):
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
@@ -200,24 +198,10 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
     zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
-    if LAG:     # tile it - 1's ReLU and head sum under tile it's MMA
-        acc_p = zero
-        glob_p = gl.zeros([_EPB], gl.float32, layout=gl.SliceLayout(1, ACC))
-        for it in range(0, mine):
-            keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it, mine, max_blocks, NS)
-            tok = warpgroup_mma(keys, qt, zero, use_acc=False, is_async=True)
-            if it > 0:
-                _score(acc_p, wts, glob_p, out_row, (p0 + (it - 1) * step) * _EPB + rows, n_b, max_entries,
-                       out_scale)
-            acc_p, _ = warpgroup_mma_wait(0, deps=[tok, keys])
-            glob_p = glob
-        if mine > 0:
-            _score(acc_p, wts, glob_p, out_row, (p0 + (mine - 1) * step) * _EPB + rows, n_b, max_entries, out_scale)
-    else:
-        for it in range(0, mine):
-            keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it, mine, max_blocks, NS)
-            acc = warpgroup_mma(keys, qt, zero, use_acc=False)
-            _score(acc, wts, glob, out_row, (p0 + it * step) * _EPB + rows, n_b, max_entries, out_scale)
+    for it in range(0, mine):
+        keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it, mine, max_blocks, NS)
+        acc = warpgroup_mma(keys, qt, zero, use_acc=False)
+        _score(acc, wts, glob, out_row, (p0 + it * step) * _EPB + rows, n_b, max_entries, out_scale)
     # tiles past this request's entries: -inf only
     nt = gl.cdiv(n_b, _EPB)
     first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
@@ -249,7 +233,7 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
 
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG, lag: bool = False):
+           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG):
     """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
@@ -257,4 +241,4 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
         q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
-        NS=stages, LAG=lag, num_warps=4, maxnreg=maxnreg)
+        NS=stages, num_warps=4, maxnreg=maxnreg)

@@ -148,7 +148,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
                          tma_stages: int = indexer_scan_tma.STAGES,
-                         tma_maxnreg: int = indexer_scan_tma.MAXNREG, tma_lag: bool = False) -> torch.Tensor:
+                         tma_maxnreg: int = indexer_scan_tma.MAXNREG) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -208,7 +208,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
                                     weight_scale, tnp, stages=tma_stages,
-                                    maxnreg=tma_maxnreg, lag=tma_lag)
+                                    maxnreg=tma_maxnreg)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
