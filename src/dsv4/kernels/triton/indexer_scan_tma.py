@@ -9,8 +9,8 @@ indexer pool.
 One warpgroup a program. NS pages are in flight: per tile one copy of the page's key words and one
 of its scale words into a stage (`tma.async_copy_global_to_shared`, completing on the stage's
 mbarrier), issued NS tiles ahead when the stage is read. Per tile: the words from the stage,
-decoded to bf16 keys scaled by 2^(e_g - e_max) (exact) straight into the registers of the
-warpgroup MMA's A operand, S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared
+decoded to bf16 keys scaled by 2^(e_g - e_max) (exact, `_E2M1_GROUP_ASM`) straight into the
+registers of the warpgroup MMA's A operand, S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared
 memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). No key tile
 goes through shared memory: a tile moves ~25 KB there (its copy, its words read, q read by the
 MMA) instead of ~57 KB when the decoded keys are stored and read back. 25 KB of shared memory and
@@ -92,19 +92,37 @@ def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
     tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
 
 
-# Pair t of a key word -> bf16x2 (as `indexer_scan._E2M1_PAIR_ASM`): $1 the word, $2 the PRMT
-# selector t | (4 + t) << 8 (byte 0 <- byte t of the word: elements 2t, 2t+1 as its low / high
-# nibble; byte 2 <- byte t of the word >> 4: element 2t+1 as its low nibble), masked to the two
-# codes at bits 0-3 and 16-19; times 2^6 + 2^12 and masked: each half's bf16 of value * 2^-126;
-# $3 the bf16x2 factor 2^(126 + e_g - e_max). 6 instructions a pair, no shared-memory staging.
-_E2M1_WORD_PAIR_ASM = gl.constexpr("""{
-.reg .b32 t, u;
-shr.b32 u, $1, 4;
-prmt.b32 t, $1, u, $2;
-and.b32 t, t, 0x000F000F;
-mul.lo.u32 t, t, 4160;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $0, t, $3;
+# Pair t of four key words of one scale group -> four bf16x2 (pack = 4: $4-$7 the words, $8 the
+# PRMT selector t | (4 + t) << 4, $12 the bf16x2 factor 2^(126 + e_g - e_max) of their group). Byte t
+# of each word (its elements 2t, 2t+1 as low / high nibble) gathered into one register, split once
+# into its low nibbles (e) and high nibbles (o); then per word i as `indexer_scan._E2M1_PAIR_ASM`:
+# bytes i of e and o to bits 0-3 and 16-19, times 2^6 + 2^12 and masked (each half's bf16 of
+# value * 2^-126, exact), times the factor. 22 instructions for four pairs (6 a pair decoding each
+# word on its own).
+_E2M1_GROUP_ASM = gl.constexpr("""{
+.reg .b32 a, b, g, e, o, x;
+prmt.b32 a, $4, $5, $8;
+prmt.b32 b, $6, $7, $8;
+prmt.b32 g, a, b, 0x5410;
+and.b32 e, g, 0x0F0F0F0F;
+shr.b32 o, g, 4;
+and.b32 o, o, 0x0F0F0F0F;
+prmt.b32 x, e, o, 0x8480;
+mul.lo.u32 x, x, 4160;
+and.b32 x, x, 0x81C081C0;
+mul.rn.bf16x2 $0, x, $12;
+prmt.b32 x, e, o, 0x8581;
+mul.lo.u32 x, x, 4160;
+and.b32 x, x, 0x81C081C0;
+mul.rn.bf16x2 $1, x, $12;
+prmt.b32 x, e, o, 0x8682;
+mul.lo.u32 x, x, 4160;
+and.b32 x, x, 0x81C081C0;
+mul.rn.bf16x2 $2, x, $12;
+prmt.b32 x, e, o, 0x8783;
+mul.lo.u32 x, x, 4160;
+and.b32 x, x, 0x81C081C0;
+mul.rn.bf16x2 $3, x, $12;
 }""")
 
 
@@ -135,9 +153,10 @@ def _decode(raw_d, raw_s, s):
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K5)))))
     t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
     w5 = gl.expand_dims(words, 4)
-    pair = gl.inline_asm_elementwise(_E2M1_WORD_PAIR_ASM, "=r,r,r,r", [w5 + 0 * t, t + 0x0400 + 0x0100 * t + 0 * w5,
-                                                                     sc + 0 * t],
-                                     dtype=gl.int32, is_pure=True, pack=1)
+    # four consecutive words a thread are one scale group (its registers run along the words)
+    pair = gl.inline_asm_elementwise(_E2M1_GROUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [w5 + 0 * t, t + 0x40 + 0x10 * t + 0 * w5, sc + 0 * t],
+                                     dtype=gl.int32, is_pure=True, pack=4)
     lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     keys = gl.reshape(gl.join(lo, hi), [_EPB, 128])
