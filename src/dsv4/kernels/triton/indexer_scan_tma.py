@@ -21,8 +21,10 @@ its addresses per key; no warp here waits on a global load (the copies run NS ti
 hold no registers) and a tile costs one block-table lookup. Two first forms were no faster than
 the pointer scan (H100, 128K B = 64: 149 µs against 131): a warp-specialised one (a 1-warp copy
 partition, padded by Triton to 8 warps a program: 2 programs an SM) and this one storing the
-decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~382 instructions a warp a
-tile (192 of them the decode, 64 the ReLU and head sum) at 58% of the issue slots (ncu).
+decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~366 instructions a warp a
+tile (176 of them the decode, 64 the ReLU and head sum), the issue slots ~58% busy (ncu): bound by
+the instruction stream (an asynchronous MMA under the previous tile's epilogue, or a copy warp
+with no barrier a tile, measured no faster).
 
 Scores equal the pointer scan's to the fp32 summation order of the head sum (same operands, one
 K = 128 dot, fp32 accumulation). Static grid, no host reads: capturable in a CUDA graph.

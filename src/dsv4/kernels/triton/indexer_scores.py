@@ -25,8 +25,8 @@ max relative error against fp32; top-512 overlap with the fp32 reference 1.0000 
 scan=False forces the kernel below.
 From TMA_TILES 64-key tiles in the batch, mxfp4 keys at "bf16" on sm_90 (64 keys a page) run
 `indexer_scan_tma` instead: pages copied by the tensor memory accelerator two tiles ahead, keys
-decoded straight into the MMA's register operand (H100, 128K: B = 64 110.5 µs against 130.9,
-B = 16 34.8 against 39.2).
+decoded straight into the MMA's register operand (H100, 128K: B = 64 108.6 µs against 132.9,
+B = 16 34.4 against 39.2).
 
 Precision: see `decode_common`. Defaults (DEFAULT_PRECISION): "bf16" for mxfp4 and bf16 keys,
 whose queries arrive rounded to the keys' format (`EntryFormat.round_query`; DeepSeek-V4 scores FP4
@@ -69,7 +69,7 @@ SCAN_MANY_TILES = 16384
 #: ... 4 from this many (4 requests at 128K, or one at 512K), else 2
 SCAN_SOME_TILES = 2048
 #: the TMA scan (`indexer_scan_tma`) from this many 64-key tiles in the batch. H100, 128K, TMA / pointer
-#: scan µs: B = 64 110.5 / 130.9, B = 16 34.8 / 39.2, B = 8 (4,096 tiles) 21.5 / 23.1, B = 4 15.5 / 15.6,
+#: scan µs: B = 64 108.6 / 132.9, B = 16 34.4 / 39.2, B = 8 (4,096 tiles) 21.5 / 23.3, B = 4 15.5 / 15.6,
 #: B = 1 9.5 / 9.3
 TMA_TILES = 4096
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
