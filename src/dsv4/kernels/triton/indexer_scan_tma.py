@@ -101,31 +101,13 @@ def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
 # bytes i of e and o to bits 0-3 and 16-19, times 2^6 + 2^12 and masked (each half's bf16 of
 # value * 2^-126, exact), times the factor. 22 instructions for four pairs (6 a pair decoding each
 # word on its own).
-_E2M1_GROUP_ASM = gl.constexpr("""{
-.reg .b32 a, b, g, e, o, x;
-prmt.b32 a, $4, $5, $8;
-prmt.b32 b, $6, $7, $8;
-prmt.b32 g, a, b, 0x5410;
-and.b32 e, g, 0x0F0F0F0F;
-shr.b32 o, g, 4;
-and.b32 o, o, 0x0F0F0F0F;
-prmt.b32 x, e, o, 0x8480;
-mul.lo.u32 x, x, 4160;
-and.b32 x, x, 0x81C081C0;
-mul.rn.bf16x2 $0, x, $12;
-prmt.b32 x, e, o, 0x8581;
-mul.lo.u32 x, x, 4160;
-and.b32 x, x, 0x81C081C0;
-mul.rn.bf16x2 $1, x, $12;
-prmt.b32 x, e, o, 0x8682;
-mul.lo.u32 x, x, 4160;
-and.b32 x, x, 0x81C081C0;
-mul.rn.bf16x2 $2, x, $12;
-prmt.b32 x, e, o, 0x8783;
-mul.lo.u32 x, x, 4160;
-and.b32 x, x, 0x81C081C0;
-mul.rn.bf16x2 $3, x, $12;
-}""")
+_E2M1_GROUP_ASM = gl.constexpr("{\n.reg .b32 a, b, g, e, o, x;\n"
+                                "prmt.b32 a, $4, $5, $8;\nprmt.b32 b, $6, $7, $8;\nprmt.b32 g, a, b, 0x5410;\n"
+                                "and.b32 e, g, 0x0F0F0F0F;\nshr.b32 o, g, 4;\nand.b32 o, o, 0x0F0F0F0F;\n"
+                                + "".join(f"prmt.b32 x, e, o, {0x8480 + 0x0101 * i:#x};\nmul.lo.u32 x, x, 4160;\n"
+                                          f"and.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 ${i}, x, $12;\n"
+                                          for i in range(4))
+                                + "}")
 
 
 @gluon.jit
