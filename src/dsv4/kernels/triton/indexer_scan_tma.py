@@ -60,12 +60,18 @@ MAXNREG = 128
 
 @gluon.constexpr_function
 def _keys():
-    """[4, 2, 8, 16, 4] = (warp, row half, row group, key word, pair): key row 16 w + 8 h + g, as the
-    warpgroup MMA's register operand holds it (rows g and g + 8 of each warp's 16, lane 4 g + t).
-    A thread holds all 16 words of its two rows (the four lanes of a row group read the same words:
-    shared-memory broadcasts) and decodes pair t of each: elements 8 j + 2 t, 8 j + 2 t + 1, the
-    operand's columns for lane t."""
-    return gl.BlockedLayout([1, 2, 1, 16, 1], [1, 1, 8, 1, 4], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    """[4, 2, 8, 4, 4, 4] = (warp, row half, row group, word i, pair j, lane t): key row 16 w + 8 h + g
+    as the warpgroup MMA's register operand holds it (rows g and g + 8 of each warp's 16, lane 4 g + t).
+    Lane t decodes words 4 t .. 4 t + 3 of its two rows (its own 16 bytes: scale group t), pair j of
+    word 4 t + i being codes j and j + 4; they are the operand's columns 8 (4 i + j) + 2 t + (0, 1),
+    so the MMA's K order is a permutation of the key's dims (`_PERM`), which q follows."""
+    return gl.BlockedLayout([1, 2, 1, 4, 4, 1], [1, 1, 8, 1, 1, 4], [4, 1, 1, 1, 1, 1], [4, 3, 1, 5, 2, 0])
+
+
+@gluon.jit
+def _perm(k):
+    """The key dim at MMA column k = 8 (4 i + j) + 2 t + e: code j + 4 e of word 4 t + i."""
+    return 32 * ((k >> 1) & 3) + 8 * (k >> 5) + ((k >> 3) & 3) + 4 * (k & 1)
 
 
 @gluon.constexpr_function
@@ -94,53 +100,52 @@ def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
     tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
 
 
-# Pair t of four key words of one scale group -> four bf16x2 (pack = 4: $4-$7 the words, $8 the
-# PRMT selector t | (4 + t) << 4, $12 the bf16x2 factor 2^(126 + e_g - e_max) of their group). Byte t
-# of each word (its elements 2t, 2t+1 as low / high nibble) gathered into one register, split once
-# into its low nibbles (e) and high nibbles (o); then per word i as `indexer_scan._E2M1_PAIR_ASM`:
-# bytes i of e and o to bits 0-3 and 16-19, times 2^6 + 2^12 and masked (each half's bf16 of
-# value * 2^-126, exact), times the factor. 22 instructions for four pairs (6 a pair decoding each
-# word on its own).
-_E2M1_GROUP_ASM = gl.constexpr("{\n.reg .b32 a, b, g, e, o, x;\n"
-                                "prmt.b32 a, $4, $5, $8;\nprmt.b32 b, $6, $7, $8;\nprmt.b32 g, a, b, 0x5410;\n"
-                                "and.b32 e, g, 0x0F0F0F0F;\nshr.b32 o, g, 4;\nand.b32 o, o, 0x0F0F0F0F;\n"
-                                + "".join(f"prmt.b32 x, e, o, {0x8480 + 0x0101 * i:#x};\nmul.lo.u32 x, x, 4160;\n"
-                                          f"and.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 ${i}, x, $12;\n"
-                                          for i in range(4))
-                                + "}")
+# One key word -> four bf16x2 (pack = 4: $4-$7 the word, $8-$11 the bf16x2 factor 2^(126 + e_g - e_max)
+# of its scale group). Pair j is codes j and j + 4 (bits 4 j and 4 j + 16: one mask takes both, and
+# codes 2-3 / 6-7 come from the word shifted right a byte); times 2^6 + 2^12 (2^2 + 2^8 for the odd
+# pairs) each code's magnitude lands on bits 6-8 and its sign on bit 15 of its half, masked: the
+# bf16 of value * 2^-126, exact (as `indexer_scan._E2M1_PAIR_ASM`), then times the factor.
+# 17 instructions a word (22 for four pairs of four words gathered by scale group before).
+_E2M1_WORD_ASM = gl.constexpr("{\n.reg .b32 h, x;\nshr.b32 h, $4, 8;\n"
+                              + "".join(f"and.b32 x, {src}, {mask:#x};\nmul.lo.u32 x, x, {mul};\n"
+                                        f"and.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 ${j}, x, $8;\n"
+                                        for j, (src, mask, mul) in enumerate(
+                                            [("$4", 0x000F000F, 4160), ("$4", 0x00F000F0, 260),
+                                             ("h", 0x000F000F, 4160), ("h", 0x00F000F0, 260)]))
+                              + "}")
 
 
 @gluon.jit
 def _decode(raw_d, raw_s, s):
     """Stage s's page -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
-    layout, 2^e_max a key in the accumulator's row layout)."""
-    K5: gl.constexpr = _keys()
-    K4: gl.constexpr = gl.SliceLayout(4, K5)
-    K3: gl.constexpr = gl.SliceLayout(3, K4)
-    page_d = raw_d.index(s)._reinterpret(gl.int32, [4, 2, 8, 16], _flat(4))
+    layout, columns in `_perm` order; 2^e_max a key in the accumulator's row layout)."""
+    K6: gl.constexpr = _keys()
+    W5: gl.constexpr = gl.SliceLayout(4, K6)                                     # [w, h, g, i, t]
+    R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
+    # word 4 t + i of row (w, h, g): i runs fastest in memory
+    page_d = raw_d.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
     page_s = raw_s.index(s)._reinterpret(gl.int32, [4, 2, 8], _flat(3))
-    words = page_d.load(K4)                                                      # [4, 2, 8, 16]
-    srow = page_s.load(K3)                                                       # [4, 2, 8] scale words
+    words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
+    srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
     srow_acc = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1)).load(gl.SliceLayout(1, _acc()))
-    # the key's largest group scale e_max, and per word 2^(126 + e_g - e_max) as bf16x2 bits
+    # the key's largest group scale e_max, and lane t's group factor 2^(126 + e_t - e_max) as bf16x2 bits
     smax = srow & 0xFF
     for g in gl.static_range(1, 4):
         smax = gl.maximum(smax, (srow >> 8 * g) & 0xFF)
-    j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K4))))
-    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0)                 # [1, 1, 1, 16]
-    byte = (gl.expand_dims(srow, 3) >> (8 * (j // 4))) & 0xFF
-    fe = gl.maximum(byte - gl.expand_dims(smax, 3) + 253, 1)                      # 2^252 below e_max: 0
-    sc = gl.expand_dims((fe << 7) | (fe << 23), 4)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, W5)))))
+    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
+    byte = (gl.expand_dims(gl.expand_dims(srow, 3), 4) >> (8 * t)) & 0xFF
+    fe = gl.maximum(byte - gl.expand_dims(gl.expand_dims(smax, 3), 4) + 253, 1)   # 2^252 below e_max: 0
+    sc = gl.expand_dims(fe * 0x800080, 4)                                        # (fe << 7) | (fe << 23)
     amax = srow_acc & 0xFF
     for g in gl.static_range(1, 4):
         amax = gl.maximum(amax, (srow_acc >> 8 * g) & 0xFF)
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K5)))))
-    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
-    w5 = gl.expand_dims(words, 4)
-    # four consecutive words a thread are one scale group (its registers run along the words)
-    pair = gl.inline_asm_elementwise(_E2M1_GROUP_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                     [w5 + 0 * t, t + 0x40 + 0x10 * t + 0 * w5, sc + 0 * t],
-                                     dtype=gl.int32, is_pure=True, pack=4)
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(
+        5, K6))))))
+    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0), 0), 5)
+    pair = gl.inline_asm_elementwise(_E2M1_WORD_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                     [gl.expand_dims(words, 4) + 0 * j, sc + 0 * j],
+                                     dtype=gl.int32, is_pure=True, pack=4)       # [4, 2, 8, 4, 4, 4]
     lo = pair.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     keys = gl.reshape(gl.join(lo, hi), [_EPB, 128])
@@ -191,8 +196,8 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
     ACC: gl.constexpr = _acc()
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
-    dq = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L)), 0)
-    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))
+    dq = gl.expand_dims(_perm(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))), 0)
+    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))      # columns in the keys' order
     fence_async_shared()            # q's generic-proxy stores before the MMAs' async-proxy reads
     _barrier()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
