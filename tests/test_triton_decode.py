@@ -201,9 +201,9 @@ def _tma_args(ents: tuple[int, ...]):
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs,stages", [(None, tma_scan.STAGES), (1, 2), (3, 3), (7, 6)])
 def test_indexer_scan_tma(programs, stages):
-    """The TMA scan against the reference (exact operands: 1e-5) and the pointer scan
-    (same operands and dot: 1e-6), ragged requests ending at the page boundaries 63 / 64 / 65,
-    127 / 128 / 129, 255 / 256 / 257 entries, empty and one-entry requests, programs sharing a
+    """The TMA scan against the reference (exact operands: 1e-5) and the pointer scan (same
+    operands, the dot in another K order: 1e-6), ragged requests ending at the page boundaries
+    63 / 64 / 65, 127 / 128 / 129, 255 / 256 / 257 entries, empty and one-entry requests, programs sharing a
     request's pages (1 to 7), 2 to 6 pages in flight. The output is poisoned (NaN) first."""
     args = _tma_args((0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000))
     want = ref.paged_indexer_scores(*args)
@@ -215,6 +215,21 @@ def test_indexer_scan_tma(programs, stages):
     fin = torch.isfinite(want)
     assert max_rel(out[fin], ptr[fin]) <= 1e-6
     assert torch.isinf(out[0]).all() and torch.isfinite(out[1, :1]).all() and torch.isinf(out[1, 1:]).all()
+
+
+@pytest.mark.gpu
+def test_indexer_scan_tma_scale_spread():
+    """Each lane decodes one scale group of its keys: the pool's UE8M0 scale bytes rewritten at
+    random over 2^-40 .. 2^8 (groups of one key up to 48 octaves apart, so every group's own factor
+    shows in the scores) against the reference, which reads the same bytes."""
+    args = _tma_args((5, 64, 200, 1000))
+    scale = args[3].typed(args[2])["scale"]
+    g = torch.Generator().manual_seed(11)
+    scale.copy_(torch.randint(127 - 40, 127 + 9, scale.shape, generator=g, dtype=torch.uint8).to(scale.device))
+    want = ref.paged_indexer_scores(*args)
+    poison = torch.full_like(want, float("nan"))
+    del poison
+    close(tri.paged_indexer_scores(*args, tma=True), want, scores_tol("mxfp4"))
 
 
 @pytest.mark.gpu

@@ -8,26 +8,29 @@ indexer pool.
 
 One warpgroup a program. NS pages are in flight: per tile one copy of the page's key words and one
 of its scale words into a stage (`tma.async_copy_global_to_shared`, completing on the stage's
-mbarrier), issued NS tiles ahead when the stage is read. Per tile: the words from the stage,
-decoded to bf16 keys scaled by 2^(e_g - e_max) (exact, `_E2M1_GROUP_ASM`) straight into the
-registers of the warpgroup MMA's A operand, S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared
-memory, stored once), then score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). No key tile
-goes through shared memory: a tile moves ~25 KB there (its copy, its words read, q read by the
-MMA) instead of ~57 KB when the decoded keys are stored and read back. 25 KB of shared memory and
-112 registers a thread: four programs an SM.
+mbarrier), issued NS tiles ahead when the stage is read. Per tile: each lane reads its own 16 bytes
+of each of its two key rows (one scale group), decoded to bf16 keys scaled by 2^(e_g - e_max)
+(exact, `_E2M1_WORD_ASM`) straight into the registers of the warpgroup MMA's A operand; the MMA's
+K order is therefore a permutation of the key's dims (`_perm`), and q's columns are stored in that
+order once. S^T [64 keys, 64 heads] = K . q^T (q [64 heads, 128] bf16 in shared memory), then
+score[n] = 2^e_max[n] D^-1/2 sum_h w_h ReLU(S^T[n, h]). No key tile goes through shared memory: a
+tile moves ~25 KB there (its copy, its words read, q read by the MMA) instead of ~57 KB when the
+decoded keys are stored and read back. 25 KB of shared memory and 105 registers a thread: four
+programs an SM.
 
 Why: the pointer scan (`indexer_scan`) loads each tile into registers a tile ahead and computes
 its addresses per key; no warp here waits on a global load (the copies run NS tiles ahead and
 hold no registers) and a tile costs one block-table lookup. Two first forms were no faster than
 the pointer scan (H100, 128K B = 64: 149 µs against 131): a warp-specialised one (a 1-warp copy
 partition, padded by Triton to 8 warps a program: 2 programs an SM) and this one storing the
-decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~366 instructions a warp a
-tile (176 of them the decode, 64 the ReLU and head sum), the issue slots ~58% busy (ncu): bound by
-the instruction stream (an asynchronous MMA under the previous tile's epilogue, or a copy warp
-with no barrier a tile, measured no faster).
+decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~341 instructions a warp a
+tile (sm_90 compile, Triton 3.6): 136 the decode, ~76 the ReLU and head sum, ~45 the two copies'
+issue; bound by the instruction stream and the MMA (an asynchronous MMA under the previous tile's
+epilogue, or a copy warp with no barrier a tile, measured no faster). When each lane decoded one
+pair of every word of its rows (all 64 bytes read, the pairs gathered by scale group) it took 419.
 
-Scores equal the pointer scan's to the fp32 summation order of the head sum (same operands, one
-K = 128 dot, fp32 accumulation). Static grid, no host reads: capturable in a CUDA graph.
+Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
+dot's K order and the head sum's order differ). Static grid, no host reads: capturable in a CUDA graph.
 Measurements: benchmarks/NOTES.md.
 """
 
@@ -54,7 +57,7 @@ _EPB = gl.constexpr(EPB)
 _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 #: pages in flight a program (H100, 128K, B = 64 / 16: 2 stages 1-5% faster than 3-4: more programs fit)
 STAGES = 2
-#: registers a thread: four programs an SM (96, five with 2 spills, and 104 measured no faster)
+#: registers a thread: four programs an SM (96, five with no spills, and 104 measured no faster)
 MAXNREG = 128
 
 
