@@ -1,12 +1,15 @@
-"""Does a warpgroup MMA overlap other programs' ALU work on an SM? (sm_90, Gluon)
+"""Does a warpgroup MMA overlap other warps' ALU work on an SM? (CUDA, sm_90; Gluon)
 
     python benchmarks/mma_probe.py
 
-One warpgroup a program, 4 programs an SM. Per iteration: ALU work (a chain of integer
-multiply-adds, ALU a thread per element of a [64, 32] int32 tile) and / or 8 MMAs m64n64k16
-(S^T [64, 64] = K [64, 128] . q^T, as the indexer scan's tile) with K from registers (RS) or from
-shared memory (SS), their result folded into a running sum. If MMA and ALU overlap across the
-SM's programs, time(both) ~ max(time(ALU), time(MMA)); if they serialise, ~ the sum.
+One warpgroup a program, 4 programs an SM, `iters` iterations of ALU work (a chain of ALU
+instructions of one kind, `OPS`, on each of 16 elements a thread) and / or 8 MMAs m64n64k16 bf16
+(S^T [64, 64] = K [64, 128] . q^T, the indexer scan's tile) with K from registers (RS) or from
+shared memory (SS), the result folded into a running sum. MODE: 0 ALU only, 1 ALU then RS MMA,
+2 RS MMA only, 3 ALU then SS MMA, 4 SS MMA only, 5 the ALU work between an asynchronous RS MMA's
+issue and its wait, 6 as 1 with odd programs running the MMA first (programs out of phase).
+If the MMA and the ALU work overlap, time(1) ~ max(time(0), time(2)); if not, ~ the sum; the
+ratios to both are printed (benchmarks/NOTES.md, #140).
 """
 from __future__ import annotations
 
