@@ -25,8 +25,9 @@ the pointer scan (H100, 128K B = 64: 149 µs against 131): a warp-specialised on
 partition, padded by Triton to 8 warps a program: 2 programs an SM) and this one storing the
 decoded keys to an NVMMA tile for the MMA (shared-memory bound). Now ~341 instructions a warp a
 tile (sm_90 compile, Triton 3.6): 136 the decode, ~76 the ReLU and head sum, ~45 the two copies'
-issue; bound by the instruction stream and the MMA (an asynchronous MMA under the previous tile's
-epilogue, or a copy warp with no barrier a tile, measured no faster). When each lane decoded one
+issue. A tile costs its MMA plus its instructions: on Hopper the warpgroup MMA and the SM's ALU
+work do not overlap (`benchmarks/mma_probe.py`), so an asynchronous MMA under the previous tile's
+epilogue, or a copy warp with no barrier a tile, measured no faster. When each lane decoded one
 pair of every word of its rows (all 64 bytes read, the pairs gathered by scale group) it took 419.
 
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
@@ -67,7 +68,7 @@ def _keys():
     as the warpgroup MMA's register operand holds it (rows g and g + 8 of each warp's 16, lane 4 g + t).
     Lane t decodes words 4 t .. 4 t + 3 of its two rows (its own 16 bytes: scale group t), pair j of
     word 4 t + i being codes j and j + 4; they are the operand's columns 8 (4 i + j) + 2 t + (0, 1),
-    so the MMA's K order is a permutation of the key's dims (`_PERM`), which q follows."""
+    so the MMA's K order is a permutation of the key's dims (`_perm`), which q follows."""
     return gl.BlockedLayout([1, 2, 1, 4, 4, 1], [1, 1, 8, 1, 1, 4], [4, 1, 1, 1, 1, 1], [4, 3, 1, 5, 2, 0])
 
 
