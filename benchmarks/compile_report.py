@@ -161,10 +161,15 @@ def main() -> int:
         from dsv4.kernels.triton import indexer_scan_tma as ts
         typed = ifmt.typed(pool.indexer)
         out = torch.empty(2, b.seq_len_bound // 4)
-        for stages in (2, 4):
-            report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel",
-                   lambda stages=stages: ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table,
-                                                   b.seq_lens // 4, b.seq_len_bound // 4, 1.0, 8, stages=stages))
+        def tma(**kw: Any) -> None:
+            ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table, b.seq_lens // 4,
+                      b.seq_len_bound // 4, 1.0, 8, **kw)
+        with captured(ts, "_scan_tma_kernel"):
+            report("scan_tma queries (int8)", ts, "_q8_kernel", tma)
+        with captured(ts, "_q8_kernel"):
+            for stages in (2, 4):
+                report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel", lambda stages=stages: tma(stages=stages))
+            report("scan_tma int8=False", ts, "_scan_tma_kernel", lambda: tma(int8=False))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

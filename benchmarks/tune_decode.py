@@ -62,15 +62,16 @@ def focus_variants(section: str, batch: int) -> list[dict[str, Any]]:
             dict(block_n=64, split_keys=128)]
 
 
-def scan_variants(batch: int) -> list[dict[str, Any]]:
-    """--scan-sweep: the TMA scan (`indexer_scan_tma`, the default where it runs) against the pointer
-    scan (tma=False), its stages, registers and programs per SM."""
+def scan_variants(batch: int, quick: bool) -> list[dict[str, Any]]:
+    """--scan-sweep: the TMA scan (`indexer_scan_tma`, the default where it runs) against its bf16 MMA
+    alone (tma_int8=False) and the pointer scan (tma=False), its stages, registers and programs per SM
+    (with --quick-sweep: the first three and the programs per SM)."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    out: list[dict[str, Any]] = [{}, dict(tma=False), dict(tma_stages=3), dict(tma=True),
-                                 dict(tma_maxnreg=104), dict(tma_maxnreg=96), dict(tma_maxnreg=80),
-                                 dict(tma_maxnreg=96, tma_stages=3)]
+    out: list[dict[str, Any]] = [{}, dict(tma_int8=False), dict(tma=False)]
+    if not quick:
+        out += [dict(tma_stages=3), dict(tma=True), dict(tma_maxnreg=104), dict(tma_maxnreg=96),
+                dict(tma_maxnreg=96, tma_stages=3)]
     out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (4, 8, 16, 24)]    # per SM in all
-    out += [dict(num_programs=-(-per_sm * sms // batch), tma_maxnreg=96) for per_sm in (5, 10, 20)]
     return out
 
 
@@ -138,7 +139,7 @@ def indexer_scores_variants(case: str, batch: int, quick: bool, focus: bool, sca
     if focus:
         sc_variants = focus_variants("scores", batch)
     if scan_sweep:
-        sc_variants = scan_variants(batch)
+        sc_variants = scan_variants(batch, quick)
     # every variant must match the bf16x2 kernel (~3e-6 off fp32) to 1e-4: the queries are rounded as
     # the layer rounds them, so "bf16" has exact operands for mxfp4 / bf16 keys
     for kw in sc_variants:

@@ -232,6 +232,70 @@ def test_indexer_scan_tma_scale_spread():
     close(tri.paged_indexer_scores(*args, tma=True), want, scores_tol("mxfp4"))
 
 
+def test_indexer_scan_tma_queries_int8():
+    """`_q8_kernel` (the int8 scan's queries) against torch: q = q8 2^u a head with 2^(u + 7) above the
+    head's largest |q|, columns in the int8 MMA's K order, the MMA's offset -64 sum q8, the weights
+    times 2^(u + 100), and `fits` 0 for a request whose head spreads 2^12 between scale groups (not
+    one unit) or whose weight would overflow; a zero head and a zero weight still fit."""
+    from dsv4.cache.formats import indexer_format
+    fmt = indexer_format("mxfp4", 128)
+    g = torch.Generator().manual_seed(7)
+    q = fmt.round_query(torch.randn(4, 64, 128, generator=g) * torch.rand(4, 64, 1, generator=g) * 4)
+    w = torch.randn(4, 64, generator=g)
+    q[1, 5, :32] *= 2.0 ** 12
+    q[2, 3] = 0.0
+    w[2, 4] = 0.0
+    w[3, 0] = 1e30
+    q, w = q.to(DEVICE), w.to(DEVICE)
+    q8 = torch.full((4, 64, 128), 99, dtype=torch.int8, device=DEVICE)
+    kw = torch.full((4, 128), -7, dtype=torch.int32, device=DEVICE)
+    fits = torch.full((4,), -1, dtype=torch.int32, device=DEVICE)
+    tma_scan._q8_kernel[(4,)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5)
+    k = torch.arange(128)
+    dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
+    qc, wc = q.cpu().double(), w.cpu().double()
+    amax = qc.abs().amax(-1)
+    u = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 6, torch.zeros_like(amax))
+    want = qc[:, :, dim] * torch.exp2(-u)[..., None]
+    assert fits.tolist() == [1, 0, 1, 0]
+    for b in (0, 2):
+        assert torch.equal(q8[b].cpu().double(), want[b])
+        assert torch.equal(kw[b, :64].cpu(), (-64 * want[b].sum(-1)).int())
+        w8 = kw[b, 64:].cpu().view(torch.float32).double()
+        assert torch.equal(w8, (wc[b].float().double() * 0.5 * torch.exp2(u[b] + 100)))
+    assert (want[1].abs() < 128).all() and want[0].abs().amax() >= 64
+
+
+@pytest.mark.gpu
+def test_indexer_scan_tma_int8_fallback():
+    """The TMA scan's int8 MMA takes a tile whose keys' scale groups lie within 2^2 of each other, for
+    requests whose queries are integers of one power-of-two unit a head; other tiles and requests take
+    its bf16 MMA. Keys: groups 0..2 octaves apart at random, one key of every third page 3 apart (its
+    tile falls back); queries: one head of request 1 2^12 apart between groups (its programs fall back),
+    request 2 with a zero head and a zero weight. Against the reference and the bf16 MMA alone."""
+    args = list(_tma_args((5, 64, 200, 1000, 257)))
+    scale = args[3].typed(args[2])["scale"]
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(118, 134, scale.shape[:2] + (1,), generator=g)
+    sc = base + torch.randint(0, 3, scale.shape, generator=g)
+    sc[::3, 7] = base[::3, 7] + torch.tensor([0, 0, 3, 1])
+    scale.copy_(sc.to(torch.uint8).to(scale.device))
+    q, w = args[0].clone(), args[1].clone()
+    q[1, 5, :32] *= 2.0 ** 12
+    q[2, 3] = 0.0
+    w[2, 4] = 0.0
+    args[0], args[1] = q, w
+    want = ref.paged_indexer_scores(*args)
+    poison = torch.full_like(want, float("nan"))
+    del poison
+    out = tri.paged_indexer_scores(*args, tma=True)
+    close(out, want, scores_tol("mxfp4"))
+    bf16 = tri.paged_indexer_scores(*args, tma=True, tma_int8=False)
+    fin = torch.isfinite(want)
+    assert max_rel(out[fin], bf16[fin]) <= 1e-6
+    assert torch.equal(torch.isinf(out), torch.isinf(want))
+
+
 @pytest.mark.gpu
 def test_indexer_scan_tma_graph_replay():
     """Captured once, replayed after the queries, weights and entry counts change in place (a shorter

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,6 +61,8 @@ _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 STAGES = 2
 #: registers a thread: four programs an SM (96, five with no spills, and 104 measured no faster)
 MAXNREG = 128
+#: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
+INT8 = True
 
 
 @gluon.constexpr_function
@@ -79,8 +82,24 @@ def _perm(k):
 
 
 @gluon.constexpr_function
+def _keys8():
+    """[4, 2, 8, 4, 2, 4, 4] = (warp, row half, row group, word i, half hh, lane t, code c): the int8
+    MMA's register operand (rows as `_keys`; a register holds 4 consecutive K columns). Lane t
+    decodes words 4 t .. 4 t + 3 of its two rows, codes 4 hh + c of word 4 t + i into K column
+    32 i + 16 hh + 4 t + c, so the MMA's K order is a permutation of the key's dims that `_q8_kernel`
+    stores the int8 queries in."""
+    return gl.BlockedLayout([1, 2, 1, 4, 2, 1, 4], [1, 1, 8, 1, 1, 4, 1], [4, 1, 1, 1, 1, 1, 1],
+                            [6, 1, 4, 3, 5, 2, 0])
+
+
+@gluon.constexpr_function
 def _acc():
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+
+
+@gluon.constexpr_function
+def _acc8():
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
 
 
 @gluon.constexpr_function
@@ -119,19 +138,55 @@ _E2M1_WORD_ASM = gl.constexpr("{\n.reg .b32 h, x;\nshr.b32 h, $4, 8;\n"
                               + "}")
 
 
+# Four E2M1 codes -> four int8 bytes 64 + 2 * value * 2^sh (pack = 4, one register; $1 the selector:
+# the word, or the word >> 16; $5 / $9 the positive table's bytes for magnitudes 0-3 / 4-7, $13 / $17
+# the negative table's). `prmt` picks byte m of a table for a code of magnitude m; where the
+# selector nibble's bit 3 (the code's sign) is set it writes the picked byte's sign instead: 0, as
+# every table byte is below 128. So the positive table gives the positive codes (0 for the others),
+# the negative one under flipped signs the negative codes (0 for the others), and their OR the key's
+# byte: 4 instructions for four codes.
+_E2M1_INT8_ASM = gl.constexpr("{\n.reg .b32 p, n, x;\nprmt.b32 p, $5, $9, $1;\nxor.b32 x, $1, 0x8888;\n"
+                              "prmt.b32 n, $13, $17, x;\nor.b32 $0, p, n;\n}")
+
+
 @gluon.jit
-def _decode(raw_d, raw_s, s):
-    """Stage s's page -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
-    layout, columns in `_perm` order; 2^e_max a key in the accumulator's row layout)."""
-    K6: gl.constexpr = _keys()
-    W5: gl.constexpr = gl.SliceLayout(4, K6)                                     # [w, h, g, i, t]
+def _bytes_min(w):
+    lo = w & 0xFF
+    for g in gl.static_range(1, 4):
+        lo = gl.minimum(lo, (w >> 8 * g) & 0xFF)
+    return lo
+
+
+@gluon.jit
+def _load(raw_d, raw_s, s, INT8: gl.constexpr):
+    """Stage s's page into registers: the key words of each lane's scale group (`_keys` rows), the
+    rows' scale words (the same rows, and in the accumulator's row layout) and whether every key's
+    groups lie within 2^2 of each other (every warp reads all 64 scale words: no warp waits on another)."""
+    W5: gl.constexpr = gl.SliceLayout(4, _keys())                                # [w, h, g, i, t]
     R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
     # word 4 t + i of row (w, h, g): i runs fastest in memory
     page_d = raw_d.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
     page_s = raw_s.index(s)._reinterpret(gl.int32, [4, 2, 8], _flat(3))
+    scales = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1))
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
-    srow_acc = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1)).load(gl.SliceLayout(1, _acc()))
+    srow_acc = scales.load(gl.SliceLayout(1, _acc()))
+    narrow = False
+    if INT8:
+        every = scales.load(gl.BlockedLayout([2], [32], [4], [0]))               # replicated in each warp
+        hi = every & 0xFF
+        for g in gl.static_range(1, 4):
+            hi = gl.maximum(hi, (every >> 8 * g) & 0xFF)
+        narrow = gl.max(hi - _bytes_min(every), axis=0) <= 2
+    return words, srow, srow_acc, narrow
+
+
+@gluon.jit
+def _decode(words, srow, srow_acc):
+    """A tile's words -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
+    layout, columns in `_perm` order; 2^e_max a key in the accumulator's row layout)."""
+    K6: gl.constexpr = _keys()
+    W5: gl.constexpr = gl.SliceLayout(4, K6)                                     # [w, h, g, i, t]
     # the key's largest group scale e_max, and lane t's group factor 2^(126 + e_t - e_max) as bf16x2 bits
     smax = srow & 0xFF
     for g in gl.static_range(1, 4):
@@ -158,27 +213,65 @@ def _decode(raw_d, raw_s, s):
 
 
 @gluon.jit
-def _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, i, mine, max_blocks, NS: gl.constexpr):
-    """Tile i's keys and key scales from its stage, which then refills with tile i + NS's page."""
-    s = i % NS
-    blk = _block(bt_row, p0 + (i + NS) * step, max_blocks)      # the refill's page, under the wait
-    mbarrier.wait(ready.index(s), (i // NS) & 1)
-    keys, glob = _decode(raw_d, raw_s, s)
-    _barrier()                  # every warp has read stage s ...
-    if i + NS < mine:           # ... so it refills, NS tiles ahead
-        _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
-    return keys, glob
+def _decode8(words, srow, srow_acc):
+    """A tile's words -> (keys [64, 128] int8 64 + 2 * code * 2^(e_g - e_min), the int8 MMA's register
+    operand, columns in `_keys8` order; 2^e_min a key in the accumulator's row layout). Exact where
+    e_g - e_min <= 2 for every group (`_load`'s narrow)."""
+    K7: gl.constexpr = _keys8()
+    S6: gl.constexpr = gl.SliceLayout(6, K7)                                     # [w, h, g, i, hh, t]
+    W5: gl.constexpr = gl.SliceLayout(4, S6)                                     # [w, h, g, i, t]
+    words = gl.convert_layout(words, W5)
+    srow = gl.convert_layout(srow, gl.SliceLayout(3, gl.SliceLayout(4, W5)))
+    emin = _bytes_min(srow)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, W5)))))
+    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
+    byte = (gl.expand_dims(gl.expand_dims(srow, 3), 4) >> (8 * t)) & 0xFF
+    f = 1 << gl.minimum(byte - gl.expand_dims(gl.expand_dims(emin, 3), 4), 2)    # 2^(e_t - e_min)
+    full = gl.zeros([4, 2, 8, 4, 2, 4, 4], gl.int32, layout=K7)
+    tabs = [gl.expand_dims(gl.expand_dims(0x40404040 + m * f, 4), 6) + full
+            for m in (0x03020100, 0x0C080604, -0x03020100, -0x0C080604)]
+    hh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(
+        5, S6))))))
+    hh = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(hh, 0), 0), 0), 0), 5)
+    sel = gl.expand_dims(gl.expand_dims(words, 4) >> (16 * hh), 6) + full
+    keys = gl.inline_asm_elementwise(_E2M1_INT8_ASM, "=r" + ",r" * 20, [sel] + tabs,
+                                     dtype=gl.int8, is_pure=True, pack=4)        # [4, 2, 8, 4, 2, 4, 4]
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc8(), k_width=4)
+    emin_acc = gl.convert_layout(_bytes_min(srow_acc), gl.SliceLayout(1, _acc8()))
+    return gl.convert_layout(gl.reshape(keys, [_EPB, 128]), A_L), (emin_acc << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _score(acc, wts, glob, out_row, offs, n_b, max_entries, out_scale):
-    score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)      # glob > 0: after ReLU
+def _store(out_row, score, offs, n_b, max_entries):
     gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
 
 
 @gluon.jit
-def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh, s_wb, s_ob, s_bt,
-                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr):
+def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
+    """A tile's scores by the bf16 MMA."""
+    keys, glob = _decode(words, srow, srow_acc)
+    acc = warpgroup_mma(keys, qt, gl.zeros([_EPB, 64], gl.float32, layout=_acc()), use_acc=False)
+    score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)      # glob > 0: after ReLU
+    _store(out_row, score, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc())), n_b, max_entries)
+
+
+@gluon.jit
+def _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entries, out_scale):
+    """A tile's scores by the int8 MMA (exact integer dots S + k8's offset)."""
+    keys8, glob8 = _decode8(words, srow, srow_acc)
+    acc8 = warpgroup_mma(keys8, qt8, gl.zeros([_EPB, 64], gl.int32, layout=_acc8()), use_acc=False)
+    # ReLU(S) < 2^23 read as a float is the denormal ReLU(S) 2^-149, exact, and fp32 FMAs keep
+    # denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with the key's factor
+    f8 = gl.maximum(acc8 + k8, 0).to(gl.float32, bitcast=True)
+    score8 = gl.sum(f8 * wts8, axis=1) * (glob8 * (out_scale * 2.0 ** 48))
+    _store(out_row, score8, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc8())), n_b, max_entries)
+
+
+@gluon.jit
+def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh,
+                     s_wb, s_ob, s_bt,
+                     num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
+                     INT8: gl.constexpr):
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
@@ -198,22 +291,50 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
             _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
 
     ACC: gl.constexpr = _acc()
+    ACC8: gl.constexpr = _acc8()
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
     dq = gl.expand_dims(_perm(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))), 0)
     q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))      # columns in the keys' order
+    h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+    w_row = w_ptr + b * s_wb + h
+    if not INT8:
+        wts_all = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
+    if INT8:
+        Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
+        q8_s = gl.allocate_shared_memory(gl.int8, [64, 128], Q8_SL)
+        Q8_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        h8q = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q8_L)), 1)
+        k8q = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q8_L)), 0)
+        q8_s.store(gl.load(q8_ptr + b * 8192 + h8q * 128 + k8q))
+        h8 = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC8))
+        k8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + h8), 0)
+        wts8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + 64 + h8).to(gl.float32, bitcast=True), 0)
+        q_fits = gl.load(fits_ptr + b) != 0
     fence_async_shared()            # q's generic-proxy stores before the MMAs' async-proxy reads
     _barrier()
-    h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
-    wts = gl.expand_dims(gl.load(w_ptr + b * s_wb + h).to(gl.float32) * w_scale, 0)
     rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
-    zero = gl.zeros([_EPB, 64], gl.float32, layout=ACC)
+    if INT8:
+        qt8 = q8_s.permute((1, 0))
     for it in range(0, mine):
-        keys, glob = _take(raw_d, raw_s, ready, d_desc, s_desc, bt_row, p0, step, it, mine, max_blocks, NS)
-        acc = warpgroup_mma(keys, qt, zero, use_acc=False)
-        _score(acc, wts, glob, out_row, (p0 + it * step) * _EPB + rows, n_b, max_entries, out_scale)
+        s = it % NS
+        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
+        mbarrier.wait(ready.index(s), (it // NS) & 1)
+        words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, INT8)
+        _barrier()                  # every warp has read stage s ...
+        if it + NS < mine:          # ... so it refills, NS tiles ahead
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+        tile0 = (p0 + it * step) * _EPB
+        if INT8:
+            if narrow & q_fits:
+                _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entries, out_scale)
+            else:           # the fallback's weights: L1 hits, no registers held across the int8 path
+                wts = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
+                _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale)
+        else:
+            _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
     # tiles past this request's entries: -inf only
     nt = gl.cdiv(n_b, _EPB)
     first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
@@ -221,6 +342,32 @@ def _scan_tma_kernel(q_ptr, w_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_
         offs = tile * _EPB + rows
         gl.store(out_row + offs, gl.full([_EPB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC)),
                  mask=offs < max_entries)
+
+
+@triton.jit
+def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale):
+    """The int8 scan's queries of request b: q = q8 2^u a head, q8 integers below 128 in magnitude
+    (2^u from the head's largest |q|), columns in the int8 MMA's K order (`_keys8`); kw[b] = (the
+    MMA's offset -64 sum_d q8 a head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b] whether that
+    is exact for every head and each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA)."""
+    b = tl.program_id(0)
+    h = tl.arange(0, 64)
+    k = tl.arange(0, 128)[None, :]
+    dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
+    qf = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + dim).to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=1)
+    u = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 133, 0)      # 2^(u + 7) > amax
+    ok_u = (u >= -100) & (u <= 27)
+    u = tl.where(ok_u, u, 0)
+    qs = qf * ((127 - u) << 23).to(tl.float32, bitcast=True)[:, None]
+    qi = qs.to(tl.int32)
+    fits = (qi.to(tl.float32) == qs) & (qi < 128) & (qi > -128) & ok_u[:, None]
+    tl.store(q8_ptr + b * 8192 + h[:, None] * 128 + k, qi.to(tl.int8))
+    w8 = tl.load(w_ptr + b * s_wb + h).to(tl.float32) * w_scale * ((u + 227) << 23).to(tl.float32, bitcast=True)
+    w_ok = (w8 == 0.0) | ((tl.abs(w8) >= 2.0 ** 23) & (tl.abs(w8) < 2.0 ** 127))
+    tl.store(kw_ptr + b * 128 + h, -64 * tl.sum(qi, axis=1))
+    tl.store(kw_ptr + b * 128 + 64 + h, w8.to(tl.int32, bitcast=True))
+    tl.store(fits_ptr + b, tl.minimum(tl.min(fits.to(tl.int32)), tl.min(w_ok.to(tl.int32))))
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
@@ -245,12 +392,18 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
 
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG):
+           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG, int8: bool = INT8):
     """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
     d_desc, s_desc = _descriptors(data, scale)
+    q8 = torch.empty(bsz, 64, 128, dtype=torch.int8, device=q.device)
+    kw = torch.empty(bsz, 128, dtype=torch.int32, device=q.device)
+    fits = torch.empty(bsz, dtype=torch.int32, device=q.device)
+    if int8:
+        _q8_kernel[(bsz,)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0), weight_scale,
+                           num_warps=4)
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
-        q, weights, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
+        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
-        NS=stages, num_warps=4, maxnreg=maxnreg)
+        NS=stages, INT8=int8, num_warps=4, maxnreg=maxnreg)

@@ -148,7 +148,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
                          tma_stages: int = indexer_scan_tma.STAGES,
-                         tma_maxnreg: int = indexer_scan_tma.MAXNREG) -> torch.Tensor:
+                         tma_maxnreg: int = indexer_scan_tma.MAXNREG,
+                         tma_int8: bool = indexer_scan_tma.INT8) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -168,6 +169,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
             it cannot run raises; by default it runs from TMA_TILES key tiles in the batch.
             tma_stages, tma_maxnreg: its pages in flight, its registers a thread (tuning).
+            tma_int8: its int8 MMA where the keys and queries fit it exactly, else the bf16 one alone.
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -208,7 +210,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
                                     weight_scale, tnp, stages=tma_stages,
-                                    maxnreg=tma_maxnreg)
+                                    maxnreg=tma_maxnreg, int8=tma_int8)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
