@@ -57,6 +57,7 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
         else:
             sig[name] = "fp32"
     opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
+    kw.pop("launch_pdl", None)                      # a launch option, not a kernel argument
     for k, v in kw.items():
         sig[k], consts[k] = "constexpr", v
     # what the launcher specialises on: 16-byte aligned pointers, ints divisible by 16

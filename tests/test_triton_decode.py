@@ -250,7 +250,7 @@ def test_indexer_scan_tma_queries_int8():
     q8 = torch.full((4, 64, 128), 99, dtype=torch.int8, device=DEVICE)
     kw = torch.full((4, 128), -7, dtype=torch.int32, device=DEVICE)
     fits = torch.full((4,), -1, dtype=torch.int32, device=DEVICE)
-    tma_scan._q8_kernel[(4,)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5)
+    tma_scan._q8_kernel[(4,)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5, PDL=False)
     k = torch.arange(128)
     dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
     qc, wc = q.cpu().double(), w.cpu().double()

@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier
+from dsv4.kernels.triton.decode_common import pdl, pdl_enter
 
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
@@ -247,6 +248,15 @@ def _store(out_row, score, offs, n_b, max_entries):
 
 
 @gluon.jit
+def _store_q16(q_s, q_ptr, b, s_qb, s_qh):
+    """q [64, 128] as bf16 into q_s, columns in the bf16 MMA's K order (`_perm`)."""
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
+    dq = gl.expand_dims(_perm(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))), 0)
+    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))
+
+
+@gluon.jit
 def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the bf16 MMA."""
     keys, glob = _decode(words, srow, srow_acc)
@@ -271,7 +281,7 @@ def _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entrie
 def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh,
                      s_wb, s_ob, s_bt,
                      num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
-                     INT8: gl.constexpr):
+                     INT8: gl.constexpr, PDL: gl.constexpr):
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
@@ -292,15 +302,12 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
 
     ACC: gl.constexpr = _acc()
     ACC8: gl.constexpr = _acc8()
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    hq = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q_L)), 1)
-    dq = gl.expand_dims(_perm(gl.arange(0, 128, layout=gl.SliceLayout(0, Q_L))), 0)
-    q_s.store(gl.load(q_ptr + b * s_qb + hq * s_qh + dq).to(gl.bfloat16))      # columns in the keys' order
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
     w_row = w_ptr + b * s_wb + h
-    if not INT8:
-        wts_all = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
     if INT8:
+        if PDL:             # `_q8_kernel`'s results (the pages' copies above go out before it ends)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
         Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
         q8_s = gl.allocate_shared_memory(gl.int8, [64, 128], Q8_SL)
         Q8_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -311,13 +318,16 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         k8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + h8), 0)
         wts8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + 64 + h8).to(gl.float32, bitcast=True), 0)
         q_fits = gl.load(fits_ptr + b) != 0
+        qt8 = q8_s.permute((1, 0))
+        q16_ready = False   # the bf16 queries are stored at a program's first fallback tile
+    else:
+        _store_q16(q_s, q_ptr, b, s_qb, s_qh)
+        wts_all = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
     fence_async_shared()            # q's generic-proxy stores before the MMAs' async-proxy reads
     _barrier()
     rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
-    if INT8:
-        qt8 = q8_s.permute((1, 0))
     for it in range(0, mine):
         s = it % NS
         blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
@@ -330,8 +340,13 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         if INT8:
             if narrow & q_fits:
                 _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entries, out_scale)
-            else:           # the fallback's weights: L1 hits, no registers held across the int8 path
-                wts = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
+            else:
+                if not q16_ready:
+                    _store_q16(q_s, q_ptr, b, s_qb, s_qh)
+                    fence_async_shared()
+                    _barrier()
+                    q16_ready = True
+                wts = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)       # L1 hits
                 _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale)
         else:
             _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
@@ -345,29 +360,34 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
 
 
 @triton.jit
-def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale):
+def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale, PDL: tl.constexpr):
     """The int8 scan's queries of request b: q = q8 2^u a head, q8 integers below 128 in magnitude
-    (2^u from the head's largest |q|), columns in the int8 MMA's K order (`_keys8`); kw[b] = (the
-    MMA's offset -64 sum_d q8 a head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b] whether that
-    is exact for every head and each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA)."""
+    (2^u from the head's largest |q|), columns in the int8 MMA's K order (`_keys8`: dims 4 j .. 4 j + 3,
+    j = 8 t + 2 i + hh, at columns 4 (8 i + 4 hh + t) ..); kw[b] = (the MMA's offset -64 sum_d q8 a
+    head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b] whether that is exact for every head and
+    each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA). PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.arange(0, 64)
-    k = tl.arange(0, 128)[None, :]
-    dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
-    qf = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + dim).to(tl.float32)
-    amax = tl.max(tl.abs(qf), axis=1)
+    j = tl.arange(0, 32)[None, :, None]
+    c = tl.arange(0, 4)[None, None, :]
+    h3 = h[:, None, None]
+    qf = tl.load(q_ptr + b * s_qb + h3 * s_qh + 4 * j + c).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(qf), axis=2), axis=1)
     u = tl.where(amax > 0, ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 133, 0)      # 2^(u + 7) > amax
     ok_u = (u >= -100) & (u <= 27)
     u = tl.where(ok_u, u, 0)
-    qs = qf * ((127 - u) << 23).to(tl.float32, bitcast=True)[:, None]
+    qs = qf * ((127 - u) << 23).to(tl.float32, bitcast=True)[:, None, None]
     qi = qs.to(tl.int32)
-    fits = (qi.to(tl.float32) == qs) & (qi < 128) & (qi > -128) & ok_u[:, None]
-    tl.store(q8_ptr + b * 8192 + h[:, None] * 128 + k, qi.to(tl.int8))
+    fits = (qi.to(tl.float32) == qs) & (qi < 128) & (qi > -128) & ok_u[:, None, None]
+    col = 4 * (8 * ((j >> 1) & 3) + 4 * (j & 1) + (j >> 3)) + c
+    tl.store(q8_ptr + b * 8192 + h3 * 128 + col, qi.to(tl.int8))
     w8 = tl.load(w_ptr + b * s_wb + h).to(tl.float32) * w_scale * ((u + 227) << 23).to(tl.float32, bitcast=True)
     w_ok = (w8 == 0.0) | ((tl.abs(w8) >= 2.0 ** 23) & (tl.abs(w8) < 2.0 ** 127))
-    tl.store(kw_ptr + b * 128 + h, -64 * tl.sum(qi, axis=1))
+    tl.store(kw_ptr + b * 128 + h, -64 * tl.sum(tl.sum(qi, axis=2), axis=1))
     tl.store(kw_ptr + b * 128 + 64 + h, w8.to(tl.int32, bitcast=True))
-    tl.store(fits_ptr + b, tl.minimum(tl.min(fits.to(tl.int32)), tl.min(w_ok.to(tl.int32))))
+    fit = tl.min(tl.min(tl.min(fits.to(tl.int32), axis=2), axis=1), axis=0)
+    tl.store(fits_ptr + b, tl.minimum(fit, tl.min(w_ok.to(tl.int32), axis=0)))
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
@@ -400,10 +420,11 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     q8 = torch.empty(bsz, 64, 128, dtype=torch.int8, device=q.device)
     kw = torch.empty(bsz, 128, dtype=torch.int32, device=q.device)
     fits = torch.empty(bsz, dtype=torch.int32, device=q.device)
+    chain = int8 and pdl(q.device)    # the scan set up while `_q8_kernel` runs
     if int8:
         _q8_kernel[(bsz,)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0), weight_scale,
-                           num_warps=4)
+                           PDL=chain, num_warps=4, **({"launch_pdl": True} if chain else {}))
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
-        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1), weights.stride(0),
-        out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
-        NS=stages, INT8=int8, num_warps=4, maxnreg=maxnreg)
+        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
+        weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+        NS=stages, INT8=int8, PDL=chain, num_warps=4, maxnreg=maxnreg, **({"launch_pdl": True} if chain else {}))
