@@ -426,5 +426,6 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
                            PDL=chain, num_warps=4, **({"launch_pdl": True} if chain else {}))
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
         q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
-        weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+        weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5,
+        weight_scale,
         NS=stages, INT8=int8, PDL=chain, num_warps=4, maxnreg=maxnreg, **({"launch_pdl": True} if chain else {}))
