@@ -171,6 +171,7 @@ def main() -> int:
             for stages in (2, 4):
                 report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel", lambda stages=stages: tma(stages=stages))
             report("scan_tma int8=False", ts, "_scan_tma_kernel", lambda: tma(int8=False))
+            report("scan_tma maxnreg=96", ts, "_scan_tma_kernel", lambda: tma(maxnreg=96))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

@@ -67,7 +67,7 @@ def scan_variants(batch: int, quick: bool) -> list[dict[str, Any]]:
     alone (tma_int8=False) and the pointer scan (tma=False), its stages, registers and programs per SM
     (with --quick-sweep: the first three and the programs per SM)."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    out: list[dict[str, Any]] = [{}, dict(tma_int8=False), dict(tma=False)]
+    out: list[dict[str, Any]] = [{}, dict(tma_int8=True), dict(tma_int8=False), dict(tma=False)]
     if not quick:
         out += [dict(tma_stages=3), dict(tma=True), dict(tma_maxnreg=104), dict(tma_maxnreg=96),
                 dict(tma_maxnreg=96, tma_stages=3)]

@@ -63,6 +63,7 @@ STAGES = 2
 #: registers a thread: four programs an SM (96, five with no spills, and 104 measured no faster)
 MAXNREG = 128
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
+#: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
 INT8 = True
 
 
@@ -227,7 +228,8 @@ def _decode8(words, srow, srow_acc):
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, W5)))))
     t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
     byte = (gl.expand_dims(gl.expand_dims(srow, 3), 4) >> (8 * t)) & 0xFF
-    f = 1 << gl.minimum(byte - gl.expand_dims(gl.expand_dims(emin, 3), 4), 2)    # 2^(e_t - e_min)
+    sh = byte - gl.expand_dims(gl.expand_dims(emin, 3), 4)
+    f = 1 + sh + (sh >> 1)      # 2^(e_t - e_min) for 0 .. 2, as a factor: the tables by IMAD, not shift and add
     full = gl.zeros([4, 2, 8, 4, 2, 4, 4], gl.int32, layout=K7)
     tabs = [gl.expand_dims(gl.expand_dims(0x40404040 + m * f, 4), 6) + full
             for m in (0x03020100, 0x0C080604, -0x03020100, -0x0C080604)]

@@ -72,6 +72,9 @@ SCAN_SOME_TILES = 2048
 #: scan µs: B = 64 108.6 / 132.9, B = 16 34.4 / 39.2, B = 8 (4,096 tiles) 21.5 / 23.3, B = 4 15.5 / 15.6,
 #: B = 1 9.5 / 9.3
 TMA_TILES = 4096
+#: its int8 MMA from this many tiles (below, the int8 queries' kernel costs more than it saves). H100,
+#: 128K, int8 / bf16 µs: B = 64 94.7 / 98.5, B = 16 33.0 / 32.0, B = 8 21.7 / 20.5
+TMA_INT8_TILES = 16384
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -149,7 +152,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
                          tma_stages: int = indexer_scan_tma.STAGES,
                          tma_maxnreg: int = indexer_scan_tma.MAXNREG,
-                         tma_int8: bool = indexer_scan_tma.INT8) -> torch.Tensor:
+                         tma_int8: bool | None = None) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -169,7 +172,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
             it cannot run raises; by default it runs from TMA_TILES key tiles in the batch.
             tma_stages, tma_maxnreg: its pages in flight, its registers a thread (tuning).
-            tma_int8: its int8 MMA where the keys and queries fit it exactly, else the bf16 one alone.
+            tma_int8: its int8 MMA where the keys and queries fit it exactly (else its bf16 one); by
+                default from TMA_INT8_TILES key tiles in the batch.
     Returns:
         [B, N] fp32, -inf at w >= num_entries[b].
     """
@@ -210,7 +214,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
                                     weight_scale, tnp, stages=tma_stages,
-                                    maxnreg=tma_maxnreg, int8=tma_int8)
+                                    maxnreg=tma_maxnreg,
+                                    int8=total >= TMA_INT8_TILES if tma_int8 is None else tma_int8)
         note_compile("indexer_scores", k)
         return out
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
