@@ -30,8 +30,23 @@ work do not overlap (`benchmarks/mma_probe.py`), so an asynchronous MMA under th
 epilogue, or a copy warp with no barrier a tile, measured no faster. When each lane decoded one
 pair of every word of its rows (all 64 bytes read, the pairs gathered by scale group) it took 419.
 
+The int8 MMA (INT8, from `indexer_scores.TMA_INT8_TILES` tiles): twice an E2M1 code is an integer of
+{0 .. 12}, so a key whose four scale groups lie within 2^2 of each other (e_g - e_min <= 2: every
+key of a Hadamard-rotated vector in practice) is the int8 vector 2 code 2^(e_g - e_min) times
+2^(e_min - 1), and an mxfp4-rounded query head is int8 integers of one power-of-two unit 2^u
+(`_q8_kernel`, once a request, chained to the scan by programmatic dependent launch). The keys
+are decoded by byte lookups (`_E2M1_INT8_ASM`: two `prmt` tables a row, 9 instructions a word
+against 17) as 64 + k, an int8 MMA at twice the bf16 rate gives the dots exactly as integers (less
+the offset 64 sum q), and ReLU(S) read as a denormal float times w 2^(u + 100) puts the head sum
+in fp32 with no conversion instruction. A tile with a wider key (every warp checks all 64 scale
+words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above. H100:
+-4 to -6% from 16,384 tiles (128K B = 64 93.2 against 98.7 µs, 1M B = 64 618 against 655); the MMA
+at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
+the max run at half the FMA pipe's rate) grew.
+
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
-dot's K order and the head sum's order differ). Static grid, no host reads: capturable in a CUDA graph.
+dot's K order and the head sum's order differ; the int8 MMA's dots are exact). Static grid, no host
+reads: capturable in a CUDA graph.
 Measurements: benchmarks/NOTES.md.
 """
 
