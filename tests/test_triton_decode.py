@@ -199,17 +199,19 @@ def _tma_args(ents: tuple[int, ...]):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("programs,stages", [(None, tma_scan.STAGES), (1, 2), (3, 3), (7, 6)])
-def test_indexer_scan_tma(programs, stages):
+def test_indexer_scan_tma(programs, stages, int8):
     """The TMA scan against the reference (exact operands: 1e-5) and the pointer scan (same
     operands, the dot in another K order: 1e-6), ragged requests ending at the page boundaries
     63 / 64 / 65, 127 / 128 / 129, 255 / 256 / 257 entries, empty and one-entry requests, programs sharing a
-    request's pages (1 to 7), 2 to 6 pages in flight. The output is poisoned (NaN) first."""
+    request's pages (1 to 7), 2 to 6 pages in flight, with its int8 MMA and with its bf16 MMA alone.
+    The output is poisoned (NaN) first."""
     args = _tma_args((0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000))
     want = ref.paged_indexer_scores(*args)
     poison = torch.full_like(want, float("nan"))
     del poison                                        # the allocator hands the NaN block to the kernel's output
-    out = tri.paged_indexer_scores(*args, tma=True, num_programs=programs, tma_stages=stages)
+    out = tri.paged_indexer_scores(*args, tma=True, num_programs=programs, tma_stages=stages, tma_int8=int8)
     close(out, want, scores_tol("mxfp4"))
     ptr = tri.paged_indexer_scores(*args, tma=False)
     fin = torch.isfinite(want)
@@ -218,7 +220,8 @@ def test_indexer_scan_tma(programs, stages):
 
 
 @pytest.mark.gpu
-def test_indexer_scan_tma_scale_spread():
+@pytest.mark.parametrize("int8", [False, True])
+def test_indexer_scan_tma_scale_spread(int8):
     """Each lane decodes one scale group of its keys: the pool's UE8M0 scale bytes rewritten at
     random over 2^-40 .. 2^8 (groups of one key up to 48 octaves apart, so every group's own factor
     shows in the scores) against the reference, which reads the same bytes."""
@@ -229,7 +232,7 @@ def test_indexer_scan_tma_scale_spread():
     want = ref.paged_indexer_scores(*args)
     poison = torch.full_like(want, float("nan"))
     del poison
-    close(tri.paged_indexer_scores(*args, tma=True), want, scores_tol("mxfp4"))
+    close(tri.paged_indexer_scores(*args, tma=True, tma_int8=int8), want, scores_tol("mxfp4"))
 
 
 def test_indexer_scan_tma_queries_int8():
@@ -288,7 +291,7 @@ def test_indexer_scan_tma_int8_fallback():
     want = ref.paged_indexer_scores(*args)
     poison = torch.full_like(want, float("nan"))
     del poison
-    out = tri.paged_indexer_scores(*args, tma=True)
+    out = tri.paged_indexer_scores(*args, tma=True, tma_int8=True)
     close(out, want, scores_tol("mxfp4"))
     bf16 = tri.paged_indexer_scores(*args, tma=True, tma_int8=False)
     fin = torch.isfinite(want)
@@ -297,24 +300,26 @@ def test_indexer_scan_tma_int8_fallback():
 
 
 @pytest.mark.gpu
-def test_indexer_scan_tma_graph_replay():
+@pytest.mark.parametrize("int8", [False, True])
+def test_indexer_scan_tma_graph_replay(int8):
     """Captured once, replayed after the queries, weights and entry counts change in place (a shorter
-    and a longer request): equal to eager calls on the new inputs."""
+    and a longer request): equal to eager calls on the new inputs. With its int8 MMA, the queries'
+    kernel and the scan chained by programmatic dependent launch are captured too."""
     args = list(_tma_args((70, 300, 129, 1)))
     q, w, nent = args[0].clone(), args[1].clone(), args[5].clone()
     args[0], args[1], args[5] = q, w, nent
-    tri.paged_indexer_scores(*args, tma=True)                      # compile outside the capture
+    tri.paged_indexer_scores(*args, tma=True, tma_int8=int8)       # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tri.paged_indexer_scores(*args, tma=True)
+        out = tri.paged_indexer_scores(*args, tma=True, tma_int8=int8)
     g = torch.Generator().manual_seed(5)
     q.copy_(args[3].round_query(torch.randn(q.shape, generator=g).to(DEVICE)))
     w.copy_(torch.randn(w.shape, generator=g).to(DEVICE))
     nent.copy_(torch.tensor([64, 257, 128, 0], device=DEVICE, dtype=nent.dtype))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, tri.paged_indexer_scores(*args, tma=True))
+    assert torch.equal(out, tri.paged_indexer_scores(*args, tma=True, tma_int8=int8))
     close(out, ref.paged_indexer_scores(*args), scores_tol("mxfp4"))
 
 
