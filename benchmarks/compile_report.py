@@ -171,7 +171,8 @@ def main() -> int:
             for stages in (2, 4):
                 report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel", lambda stages=stages: tma(stages=stages))
             report("scan_tma int8=False", ts, "_scan_tma_kernel", lambda: tma(int8=False))
-            report("scan_tma maxnreg=96", ts, "_scan_tma_kernel", lambda: tma(maxnreg=96))
+            for nreg in (128, 96):
+                report(f"scan_tma maxnreg={nreg}", ts, "_scan_tma_kernel", lambda nreg=nreg: tma(maxnreg=nreg))
     if "attention" in which or "wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]

@@ -38,11 +38,14 @@ key of a Hadamard-rotated vector in practice) is the int8 vector 2 code 2^(e_g -
 are decoded by byte lookups (`_E2M1_INT8_ASM`: two `prmt` tables a row, 9 instructions a word
 against 17) as 64 + k, an int8 MMA at twice the bf16 rate gives the dots exactly as integers (less
 the offset 64 sum q), and ReLU(S) read as a denormal float times w 2^(u + 100) puts the head sum
-in fp32 with no conversion instruction. A tile with a wider key (every warp checks all 64 scale
+in fp32 with no conversion instruction; both per-head factors are read from shared memory a tile
+(in registers they held 32 a thread across the loop), so the int8 kernel runs at 80 registers, six
+programs an SM (`MAXNREG_INT8`). A tile with a wider key (every warp checks all 64 scale
 words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above. H100:
 -4 to -6% from 16,384 tiles (128K B = 64 93.2 against 98.7 µs, 1M B = 64 618 against 655); the MMA
 at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
-the max run at half the FMA pipe's rate) grew.
+the max run at half the FMA pipe's rate) grew. Six programs an SM instead of four: -3 to -6% more (128K B = 64 96.5
+-> 91.4 µs, 1M B = 64 652 -> 614).
 
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
 dot's K order and the head sum's order differ; the int8 MMA's dots are exact). Static grid, no host
@@ -75,8 +78,12 @@ _EPB = gl.constexpr(EPB)
 _PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
 #: pages in flight a program (H100, 128K, B = 64 / 16: 2 stages 1-5% faster than 3-4: more programs fit)
 STAGES = 2
-#: registers a thread: four programs an SM (96, five with no spills, and 104 measured no faster)
+#: registers a thread of the bf16-only kernel: four programs an SM (96, five with no spills, and 104
+#: measured no faster)
 MAXNREG = 128
+#: ... and of the int8 one: six programs an SM (the int8 tile spills nothing at 80; the fallback bf16
+#: tile 16 bytes). H100, µs, 128 / 96 / 80: 128K B = 64 96.5 / 94.4 / 91.4, 1M B = 64 652 / 641 / 614
+MAXNREG_INT8 = 80
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
 #: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
 INT8 = True
@@ -283,10 +290,14 @@ def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, ou
 
 
 @gluon.jit
-def _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entries, out_scale):
+def _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the int8 MMA (exact integer dots S + k8's offset)."""
     keys8, glob8 = _decode8(words, srow, srow_acc)
     acc8 = warpgroup_mma(keys8, qt8, gl.zeros([_EPB, 64], gl.int32, layout=_acc8()), use_acc=False)
+    # the per-head offset and weight from shared memory a tile: held in registers across the loop
+    # they would take 32 a thread (the fallback tile's peak included)
+    k8 = gl.expand_dims(kw_s.index(0).load(gl.SliceLayout(0, _acc8())), 0)
+    wts8 = gl.expand_dims(kw_s.index(1).load(gl.SliceLayout(0, _acc8())).to(gl.float32, bitcast=True), 0)
     # ReLU(S) < 2^23 read as a float is the denormal ReLU(S) 2^-149, exact, and fp32 FMAs keep
     # denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with the key's factor
     f8 = gl.maximum(acc8 + k8, 0).to(gl.float32, bitcast=True)
@@ -318,7 +329,6 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
             _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
 
     ACC: gl.constexpr = _acc()
-    ACC8: gl.constexpr = _acc8()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
     w_row = w_ptr + b * s_wb + h
     if INT8:
@@ -331,9 +341,10 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         h8q = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q8_L)), 1)
         k8q = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q8_L)), 0)
         q8_s.store(gl.load(q8_ptr + b * 8192 + h8q * 128 + k8q))
-        h8 = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC8))
-        k8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + h8), 0)
-        wts8 = gl.expand_dims(gl.load(kw_ptr + b * 128 + 64 + h8).to(gl.float32, bitcast=True), 0)
+        KW_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        kw_s = gl.allocate_shared_memory(gl.int32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(2):
+            kw_s.index(i).store(gl.load(kw_ptr + b * 128 + i * 64 + gl.arange(0, 64, layout=KW_L)))
         q_fits = gl.load(fits_ptr + b) != 0
         qt8 = q8_s.permute((1, 0))
         q16_ready = False   # the bf16 queries are stored at a program's first fallback tile
@@ -356,7 +367,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         tile0 = (p0 + it * step) * _EPB
         if INT8:
             if narrow & q_fits:
-                _tile8(words, srow, srow_acc, qt8, k8, wts8, out_row, tile0, n_b, max_entries, out_scale)
+                _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
             else:
                 if not q16_ready:
                     _store_q16(q_s, q_ptr, b, s_qb, s_qh)
@@ -429,7 +440,7 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
 
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int = MAXNREG, int8: bool = INT8):
+           programs: int, *, stages: int = STAGES, maxnreg: int | None = None, int8: bool = INT8):
     """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
@@ -445,4 +456,5 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
         q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
         weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5,
         weight_scale,
-        NS=stages, INT8=int8, PDL=chain, num_warps=4, maxnreg=maxnreg, **({"launch_pdl": True} if chain else {}))
+        NS=stages, INT8=int8, PDL=chain, num_warps=4, maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG),
+        **({"launch_pdl": True} if chain else {}))

@@ -151,7 +151,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                          num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
                          prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
                          tma_stages: int = indexer_scan_tma.STAGES,
-                         tma_maxnreg: int = indexer_scan_tma.MAXNREG,
+                         tma_maxnreg: int | None = None,
                          tma_int8: bool | None = None) -> torch.Tensor:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
@@ -171,7 +171,8 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         tma, tma_stages: mxfp4 keys at "bf16" on sm_90 with 64 keys a page run `indexer_scan_tma`
             (pages in flight through the tensor memory accelerator) unless tma=False; tma=True where
             it cannot run raises; by default it runs from TMA_TILES key tiles in the batch.
-            tma_stages, tma_maxnreg: its pages in flight, its registers a thread (tuning).
+            tma_stages, tma_maxnreg: its pages in flight, its registers a thread (tuning; by default
+            `indexer_scan_tma.MAXNREG` or `MAXNREG_INT8`).
             tma_int8: its int8 MMA where the keys and queries fit it exactly (else its bf16 one); by
                 default from TMA_INT8_TILES key tiles in the batch.
     Returns:
