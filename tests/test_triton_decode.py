@@ -238,8 +238,9 @@ def test_indexer_scan_tma_scale_spread(int8):
 def test_indexer_scan_tma_queries_int8():
     """`_q8_kernel` (the int8 scan's queries) against torch: q = q8 2^u a head with 2^(u + 7) above the
     head's largest |q|, columns in the int8 MMA's K order, the MMA's offset -64 sum q8, the weights
-    times 2^(u + 100), and `fits` 0 for a request whose head spreads 2^12 between scale groups (not
-    one unit) or whose weight would overflow; a zero head and a zero weight still fit."""
+    times 2^(u + 100), and `fits` 0 for the head block (a program's) of a head that spreads 2^12
+    between scale groups (not one unit) or whose weight would overflow; a zero head and a zero weight
+    still fit."""
     from dsv4.cache.formats import indexer_format
     fmt = indexer_format("mxfp4", 128)
     g = torch.Generator().manual_seed(7)
@@ -252,15 +253,18 @@ def test_indexer_scan_tma_queries_int8():
     q, w = q.to(DEVICE), w.to(DEVICE)
     q8 = torch.full((4, 64, 128), 99, dtype=torch.int8, device=DEVICE)
     kw = torch.full((4, 128), -7, dtype=torch.int32, device=DEVICE)
-    fits = torch.full((4,), -1, dtype=torch.int32, device=DEVICE)
-    tma_scan._q8_kernel[(4,)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5, PDL=False)
+    nb = tma_scan.Q8_BLOCKS
+    fits = torch.full((4, nb), -1, dtype=torch.int32, device=DEVICE)
+    tma_scan._q8_kernel[(4, nb)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5, HB=64 // nb,
+                                 PDL=False)
     k = torch.arange(128)
     dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
     qc, wc = q.cpu().double(), w.cpu().double()
     amax = qc.abs().amax(-1)
     u = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 6, torch.zeros_like(amax))
     want = qc[:, :, dim] * torch.exp2(-u)[..., None]
-    assert fits.tolist() == [1, 0, 1, 0]
+    block0 = [1, 0, 1, 0]           # heads 5 (request 1) and 0 (request 3) lie in the first block
+    assert fits.tolist() == [[f] + [1] * (nb - 1) for f in block0]
     for b in (0, 2):
         assert torch.equal(q8[b].cpu().double(), want[b])
         assert torch.equal(kw[b, :64].cpu(), (-64 * want[b].sum(-1)).int())

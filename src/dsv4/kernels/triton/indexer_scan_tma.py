@@ -87,6 +87,9 @@ MAXNREG_INT8 = 80
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
 #: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
 INT8 = True
+#: `_q8_kernel`'s programs a request (16 heads each)
+Q8_BLOCKS = 4
+_Q8_BLOCKS = gl.constexpr(Q8_BLOCKS)
 
 
 @gluon.constexpr_function
@@ -345,7 +348,9 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         kw_s = gl.allocate_shared_memory(gl.int32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2):
             kw_s.index(i).store(gl.load(kw_ptr + b * 128 + i * 64 + gl.arange(0, 64, layout=KW_L)))
-        q_fits = gl.load(fits_ptr + b) != 0
+        q_fits = gl.load(fits_ptr + b * _Q8_BLOCKS) != 0        # every head block's flag (scalar loads)
+        for i in gl.static_range(1, _Q8_BLOCKS):
+            q_fits = q_fits & (gl.load(fits_ptr + b * _Q8_BLOCKS + i) != 0)
         qt8 = q8_s.permute((1, 0))
         q16_ready = False   # the bf16 queries are stored at a program's first fallback tile
     else:
@@ -388,15 +393,18 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
 
 
 @triton.jit
-def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale, PDL: tl.constexpr):
-    """The int8 scan's queries of request b: q = q8 2^u a head, q8 integers below 128 in magnitude
+def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale, HB: tl.constexpr,
+               PDL: tl.constexpr):
+    """The int8 scan's queries of request b, program (b, j) its heads j HB .. j HB + HB - 1 (a short
+    kernel: the scan's first tiles wait for it): q = q8 2^u a head, q8 integers below 128 in magnitude
     (2^u from the head's largest |q|), columns in the int8 MMA's K order (`_keys8`: dims 4 j .. 4 j + 3,
     j = 8 t + 2 i + hh, at columns 4 (8 i + 4 hh + t) ..); kw[b] = (the MMA's offset -64 sum_d q8 a
-    head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b] whether that is exact for every head and
-    each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA). PDL: see `pdl_enter`."""
+    head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b, j] whether that is exact for every head of
+    the block and each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA). PDL: see
+    `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0)
-    h = tl.arange(0, 64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
     j = tl.arange(0, 32)[None, :, None]
     c = tl.arange(0, 4)[None, None, :]
     h3 = h[:, None, None]
@@ -415,7 +423,8 @@ def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale
     tl.store(kw_ptr + b * 128 + h, -64 * tl.sum(tl.sum(qi, axis=2), axis=1))
     tl.store(kw_ptr + b * 128 + 64 + h, w8.to(tl.int32, bitcast=True))
     fit = tl.min(tl.min(tl.min(fits.to(tl.int32), axis=2), axis=1), axis=0)
-    tl.store(fits_ptr + b, tl.minimum(fit, tl.min(w_ok.to(tl.int32), axis=0)))
+    fit = tl.minimum(fit, tl.min(w_ok.to(tl.int32), axis=0))
+    tl.store(fits_ptr + b * tl.num_programs(1) + tl.program_id(1), fit)
 
 
 def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name: str, epb: int, prec: int) -> bool:
@@ -447,11 +456,12 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     d_desc, s_desc = _descriptors(data, scale)
     q8 = torch.empty(bsz, 64, 128, dtype=torch.int8, device=q.device)
     kw = torch.empty(bsz, 128, dtype=torch.int32, device=q.device)
-    fits = torch.empty(bsz, dtype=torch.int32, device=q.device)
+    fits = torch.empty(bsz, Q8_BLOCKS, dtype=torch.int32, device=q.device)
     chain = int8 and pdl(q.device)    # the scan set up while `_q8_kernel` runs
     if int8:
-        _q8_kernel[(bsz,)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0), weight_scale,
-                           PDL=chain, num_warps=4, **({"launch_pdl": True} if chain else {}))
+        _q8_kernel[(bsz, Q8_BLOCKS)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0),
+                                     weight_scale, HB=64 // Q8_BLOCKS, PDL=chain, num_warps=4,
+                                     **({"launch_pdl": True} if chain else {}))
     return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
         q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
         weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5,
