@@ -202,8 +202,27 @@ def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr,
 
 
 @gluon.jit
-def _values(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_ps, s_ph, b, split, mine,
-            D: gl.constexpr, H: gl.constexpr):
+def _store_part(part_ptr, acc, l_i, stage, b, split, s_pb, s_ps, s_ph, D0: gl.constexpr, O_L: gl.constexpr):
+    """The normalised partial acc / l (0 where the split saw no key) as fp16 into channels D0 .. of
+    part[b, split]: a convex combination of fp16 values (|v| <= 448 2^7), so fp16 holds it; half the
+    bytes of fp32 partials for the kernel to store and the combine to read. Through shared memory
+    (`stage`, the queries' tile, free once the scores warpgroup's MMAs are done): the accumulator's
+    layout gives each row 16-byte pieces, half a sector, which the L2 would complete from DRAM."""
+    H: gl.constexpr = acc.shape[0]
+    W: gl.constexpr = acc.shape[1]
+    inv = gl.where(l_i > 0.0, 1.0 / l_i, 0.0)
+    stage.store((acc * gl.expand_dims(inv, 1)).to(gl.float16))
+    _barrier()
+    ST_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, ST_L))
+    do = gl.arange(0, W, layout=gl.SliceLayout(0, ST_L)) + D0
+    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0),
+             stage.load(ST_L))
+
+
+@gluon.jit
+def _values(q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph, b, split,
+            mine, D: gl.constexpr, H: gl.constexpr):
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
     for it in range(0, mine):
@@ -217,14 +236,14 @@ def _values(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_p
         _barrier()
         mbarrier.arrive(k_free.index(buf), count=1)
         mbarrier.arrive(p_free.index(buf), count=1)
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
-    do = gl.arange(0, D // 2, layout=gl.SliceLayout(0, O_L)) + D // 2
-    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0), acc)
+    mbarrier.wait(l_ready.index(0), 0)              # the scores warpgroup's softmax sums, its MMAs done
+    _store_part(part_ptr, acc, l_s.load(gl.SliceLayout(1, O_L)), q_s.slice(D // 2, D // 2, dim=1), b, split,
+                s_pb, s_ps, s_ph, D // 2, O_L)
 
 
 @gluon.jit
-def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr, pml_ptr,
-            s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
+def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr,
+            pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
     # q into shared memory as fp16, half the channels at a time, while the loader fetches the first tile
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
@@ -267,9 +286,11 @@ def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_re
         acc = warpgroup_mma(gl.convert_layout(p16, P_L), kt.slice(0, D // 2, dim=1), acc)
         _barrier()
         mbarrier.arrive(k_free.index(buf), count=1)
-    ho = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
-    do = gl.arange(0, D // 2, layout=gl.SliceLayout(0, O_L))
-    gl.store(part_ptr + b * s_pb + split * s_ps + gl.expand_dims(ho, 1) * s_ph + gl.expand_dims(do, 0), acc)
+    l_s.store(l_i)                                  # for the values warpgroup's half
+    _barrier()
+    mbarrier.arrive(l_ready.index(0), count=1)
+    _store_part(part_ptr, acc, gl.convert_layout(l_i, gl.SliceLayout(1, O_L)), q_s.slice(0, D // 2, dim=1), b,
+                split, s_pb, s_ps, s_ph, 0, O_L)
     hs = gl.arange(0, H, layout=gl.SliceLayout(1, S_L))
     ml = pml_ptr + ((b * n_split + split) * H + hs) * 2
     gl.store(ml, m_i)
@@ -287,7 +308,7 @@ def _wide_kernel(
         ring, window, epb, max_blocks, n_comp, qk_scale, ring_kv, ring_rope, ring_sc,
         H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, VALUE_REGS: gl.constexpr,
         LOADER_REGS: gl.constexpr):
-    """Program (b, 0, split) -> part[b, split, :, :] (acc [H, D] fp32), pml[b, split, :, :] (m, l)."""
+    """Program (b, 0, split) -> part[b, split, :, :] (acc / l [H, D] fp16), pml[b, split, :, :] (m, l)."""
     b = gl.program_id(0)
     split = gl.program_id(2)
     n_split = gl.num_programs(2)
@@ -299,10 +320,13 @@ def _wide_kernel(
     p_s = gl.allocate_shared_memory(gl.float16, [2, H, _BN], P_SL)
     a_s = gl.allocate_shared_memory(gl.float32, [2, H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias_s = gl.allocate_shared_memory(gl.float32, [2, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    l_s = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(l_ready.index(0), count=1)
     for i in gl.static_range(2):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=2)
@@ -321,9 +345,10 @@ def _wide_kernel(
     n_tiles = n_wt + gl.cdiv(n_c, _BN)
     mine = gl.cdiv(gl.maximum(n_tiles - split, 0), n_split)
     gl.warp_specialize([
-        (_scores, (q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, part_ptr,
-                   pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
-        (_values, (k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, part_ptr, s_pb, s_ps, s_ph, b, split, mine, D, H)),
+        (_scores, (q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free, p_ready, p_free, l_ready,
+                   part_ptr, pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
+        (_values, (q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph,
+                   b, split, mine, D, H)),
         (_loader, (k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
                    s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp,
                    s_csr, ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
@@ -354,10 +379,11 @@ def supported(q: torch.Tensor, keys: tuple, dim: int, nope: int, fmt_name: str) 
 def value_wide(q: torch.Tensor, keys: tuple, meta: tuple, strides: tuple, ring: int, window: int, epb: int,
                max_blocks: int, n_comp: int, qk_scale: float, *, dim: int, nope: int, mode: int,
                splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the wide kernel; returns (part [B, S, H, D] fp32, pml [B, S, H, 2]) for the split combine.
+    """Launch the wide kernel; returns (part [B, S, H, D] fp16, normalised: acc / l, pml [B, S, H, 2]) for
+    the split combine.
     keys, meta, strides as `decode_attention_halves.value_halves`; q [B, H, D] fp32 or bf16."""
     bsz, heads, _ = q.shape
-    part = torch.empty(bsz, splits, heads, dim, dtype=torch.float32, device=q.device)
+    part = torch.empty(bsz, splits, heads, dim, dtype=torch.float16, device=q.device)
     pml = torch.empty(bsz, splits, heads, 2, dtype=torch.float32, device=q.device)
     wkv, wrope, wsc, ckv, crope, csc = keys
     _wide_kernel[(bsz, 1, splits)](

@@ -14,8 +14,9 @@ from dsv4.kernels.triton.decode_common import inverse_rope, pdl_enter, pdl_launc
 def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_pb, s_ps, s_ph, s_ob, s_oh,
                     H: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF_R: tl.constexpr, ROPE: tl.constexpr,
-                    UNROLL: tl.constexpr, TRIP: tl.constexpr, PDL: tl.constexpr):
-    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink);
+                    UNROLL: tl.constexpr, TRIP: tl.constexpr, NORMED: tl.constexpr, PDL: tl.constexpr):
+    """out = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M = max(m_s, sink)
+    (NORMED: the partials are acc_s / l_s, weighted by l_s 2^(m_s - M));
     ROPE: then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels (interleaved pairs,
     as `norm_rope`), so the layer needs no separate pass over the output. Stored in out's dtype.
 
@@ -39,20 +40,24 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
     if UNROLL:
         for si in tl.static_range(S):
             wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=hmask, other=float("-inf")) - m_f)
+            if NORMED:
+                wgt *= tl.load(pml_ptr + ((b * S + si) * H + h) * 2 + 1, mask=hmask, other=0.0)
             part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d[None, :], mask=hmask[:, None],
                            other=0.0)
-            acc += wgt[:, None] * part
+            acc += wgt[:, None] * part.to(tl.float32)
     else:
         for s0 in range(0, S, TRIP):                    # TRIP splits' loads in flight per trip
             for u in tl.static_range(TRIP):
                 si = s0 + u
                 ok = hmask & (si + 0 * h < S)
                 wgt = tl.exp2(tl.load(pml_ptr + ((b * S + si) * H + h) * 2, mask=ok, other=float("-inf")) - m_f)
+                if NORMED:
+                    wgt *= tl.load(pml_ptr + ((b * S + si) * H + h) * 2 + 1, mask=ok, other=0.0)
                 # no channel mask: the partials are padded to NCH * 64 channels (a per-channel mask cost
                 # ~4 µs at B = 1, H200)
                 part = tl.load(part_ptr + b * s_pb + si * s_ps + h[:, None] * s_ph + d[None, :], mask=ok[:, None],
                                other=0.0)
-                acc += wgt[:, None] * part
+                acc += wgt[:, None] * part.to(tl.float32)
     o = acc / den[:, None]
     if ROPE:
         o = inverse_rope(o, b, d0, cos_ptr, sin_ptr, BLOCK_H, BLOCK_D, D, HALF_R)
@@ -69,9 +74,9 @@ def combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
              rope: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype | None,
              dim: int, nch: int, cuda: bool, trip: int | None = None, block_h: int | None = None,
              block_d: int | None = None) -> torch.Tensor:
-    """The split combine of key-split partials part [B, S, H, nch * 64] and stats pml [B, S, H, 2]:
-    the sink, the inverse rotation, the output dtype -> [B, H, D]. trip (splits per trip past 32
-    splits; COMBINE_TRIP), block_h, block_d: tuning."""
+    """The split combine of key-split partials part [B, S, H, nch * 64] (fp32 acc_s, or fp16 acc_s / l_s)
+    and stats pml [B, S, H, 2]: the sink, the inverse rotation, the output dtype -> [B, H, D]. trip
+    (splits per trip past 32 splits; COMBINE_TRIP), block_h, block_d: tuning."""
     bsz, n_split, heads, _ = part.shape
     out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=part.device)
     bhc, bdc = min(16, triton.next_power_of_2(heads)), 64 if cuda else nch * 64
@@ -88,5 +93,5 @@ def combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
         HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32,
-        TRIP=trip or COMBINE_TRIP, num_warps=4, **pdl_launch(part.device))
+        TRIP=trip or COMBINE_TRIP, NORMED=part.dtype == torch.float16, num_warps=4, **pdl_launch(part.device))
     return out
