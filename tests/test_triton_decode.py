@@ -483,6 +483,39 @@ def test_attention_inverse_rope_bf16(knobs):
     assert max_rel(out.float()[..., -64:], plain[..., -64:]) > 0.1
 
 
+@pytest.mark.parametrize("splits", [2, 37])
+def test_combine_normalised_fp16_partials(splits):
+    """The split combine of the wide scheme's partials (fp16 acc_s / l_s, weighted by l_s) equals the
+    combine of fp32 acc_s, and the sink-softmax written out in torch: splits that saw no key (m -inf,
+    l 0, a zero partial), the inverse rotation, 2 splits (all loads at once) and 37 (trips)."""
+    from dsv4.kernels.triton.decode_combine import combine
+    g = torch.Generator().manual_seed(splits)
+    bsz, heads, dim = 2, 8, 128
+    m = torch.randn(bsz, splits, heads, generator=g) * 4
+    l_s = torch.rand(bsz, splits, heads, generator=g) * 30 + 0.5
+    m[:, 1::3], l_s[:, 1::3] = float("-inf"), 0.0
+    o = torch.randn(bsz, splits, heads, dim, generator=g) * 5          # acc_s / l_s
+    o[:, 1::3] = 0.0
+    acc = o * l_s[..., None]
+    pml = torch.stack([m, l_s], -1).to(DEVICE)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    ang = torch.rand(bsz, 16, generator=g).to(DEVICE) * 6.3
+    rope = (ang.cos(), ang.sin())
+    cuda = DEVICE == "cuda"
+    out32 = combine(acc.to(DEVICE), pml, sinks, rope, None, dim, dim // 64, cuda)
+    out16 = combine(o.half().to(DEVICE), pml, sinks, rope, None, dim, dim // 64, cuda)
+    sink2 = sinks.cpu().double() * 1.4426950408889634
+    big = torch.maximum(m.double().amax(1), sink2)
+    w = torch.exp2(m.double() - big[:, None])
+    want = (w[..., None] * acc.double()).sum(1) / ((w * l_s.double()).sum(1) + torch.exp2(sink2 - big))[..., None]
+    ev, od = want[..., -32::2].clone(), want[..., -31::2].clone()
+    c, s_ = (t.cpu().double()[:, None, :] for t in rope)
+    want[..., -32::2], want[..., -31::2] = ev * c + od * s_, od * c - ev * s_
+    assert max_rel(out32.cpu(), want) <= 1e-5
+    assert max_rel(out16.cpu(), want) <= 1e-3          # fp16 partials: ~2^-12 of each
+    assert max_rel(out16.cpu(), want) > 0.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])

@@ -3,8 +3,11 @@ key split) in one warp-specialised program, fp8_ds keys (the "wide" scheme of `d
 
     grid (B, 1, S): program (b, split) runs an online softmax over key tiles split, split + S, ...
     of one index space (the window ring's 64-key tiles, then the entries'), as the halves scheme
-    (`decode_attention_halves`) does, and writes the same split partials (acc [H, D] fp32 and the
-    softmax stats (m, l)) for `decode_combine`.
+    (`decode_attention_halves`) does, and writes its split's partial for `decode_combine`: acc / l
+    [H, D] as fp16 (`_store_part`) and the softmax stats (m, l). The normalised fp16 partial halves
+    the bytes stored and combined (H200, 128K B = 64, op with its combine: CSA 34.9 -> 31.3 µs, HCA
+    45.9 -> 42.8) for ~1.5e-4 more error against the fp32 reference (CSA 3.0e-4 -> 4.3e-4 of the
+    largest output, `benchmarks/wide_accuracy.py`), below the layer's bf16 output rounding.
 
 Three warpgroups run side by side (`gl.warp_specialize`), handing tiles over through mbarriers:
 
