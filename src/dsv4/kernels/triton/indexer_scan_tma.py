@@ -44,8 +44,10 @@ programs an SM (`MAXNREG_INT8`). A tile with a wider key (every warp checks all 
 words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above. H100:
 -4 to -6% from 16,384 tiles (128K B = 64 93.2 against 98.7 µs, 1M B = 64 618 against 655); the MMA
 at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
-the max run at half the FMA pipe's rate) grew. Six programs an SM instead of four: -3 to -6% more (128K B = 64 96.5
--> 91.4 µs, 1M B = 64 652 -> 614).
+the max run at half the FMA pipe's rate) grew. Six programs an SM with the factors in shared memory,
+against four with them in registers: -1 to -2% (H100, 128K B = 64 93.3-93.9 -> 91.4-92.5 µs, 1M
+624-626 -> 611-620). The scan is compute-bound: its page copies alone take 42-45% of its time
+(`benchmarks/scan_floor.py`).
 
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
 dot's K order and the head sum's order differ; the int8 MMA's dots are exact). Static grid, no host
@@ -82,7 +84,8 @@ STAGES = 2
 #: measured no faster)
 MAXNREG = 128
 #: ... and of the int8 one: six programs an SM (the int8 tile spills nothing at 80; the fallback bf16
-#: tile 16 bytes). H100, µs, 128 / 96 / 80: 128K B = 64 96.5 / 94.4 / 91.4, 1M B = 64 652 / 641 / 614
+#: tile 16 bytes; ptxas serialises the int8 wgmmas from 88 down). H100, µs, 128 / 96 / 80: 128K B = 64
+#: 96.5 / 94.4 / 91.4, 1M B = 64 652 / 641 / 614
 MAXNREG_INT8 = 80
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
 #: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
