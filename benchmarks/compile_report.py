@@ -171,6 +171,9 @@ def main() -> int:
             for stages in (2, 4):
                 report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel", lambda stages=stages: tma(stages=stages))
             report("scan_tma int8=False", ts, "_scan_tma_kernel", lambda: tma(int8=False))
+            gmax = torch.empty(2, 64 * ts.programs_per_request(8, b.seq_len_bound // 4), dtype=torch.int32)
+            report("scan_tma group maxima", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax))
+            report("scan_tma group maxima int8=False", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax, int8=False))
             for nreg in (128, 96):
                 report(f"scan_tma maxnreg={nreg}", ts, "_scan_tma_kernel", lambda nreg=nreg: tma(maxnreg=nreg))
     if "attention" in which or "wide" in which:

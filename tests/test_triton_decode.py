@@ -124,6 +124,18 @@ def test_indexer_scores_formats(fmt, heads):
         close(tri.paged_indexer_scores(*args, precision="bf16x2"), want, TOL["bf16x2"])
 
 
+@pytest.mark.parametrize("k", [5, 40])
+def test_decode_indexer_topk_op(k):
+    """The fused op of each backend is its top-k of its scores (ragged requests, k past a request's
+    entries: -1 padded), and both namespaces export the same ops."""
+    from dsv4.kernels.dispatch import _reference
+    from dsv4.kernels.triton.ops import namespace
+    args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
+    assert torch.equal(tri.decode_indexer_topk(*args, k), ref.topk_smaller_index(tri.paged_indexer_scores(*args), k))
+    assert torch.equal(ref.decode_indexer_topk(*args, k), ref.topk_smaller_index(ref.paged_indexer_scores(*args), k))
+    assert set(vars(_reference())) == set(vars(namespace()))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_indexer_scores_raw_weights(fmt):
     """weights given as the layer's raw projection (bf16 columns of a wider row, read in place) with
@@ -301,6 +313,39 @@ def test_indexer_scan_tma_int8_fallback():
     fin = torch.isfinite(want)
     assert max_rel(out[fin], bf16[fin]) <= 1e-6
     assert torch.equal(torch.isinf(out), torch.isinf(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("programs", [None, 8, 9, 33])
+def test_decode_indexer_topk_scan_maxima(programs, int8):
+    """The TMA scan's group maxima (row slot r of program p: entries 64 (p + i P) + r of its tiles,
+    as int32 keys) against torch's over its own scores, and `decode_indexer_topk` (the filter bounded
+    by them, no maxima pass) against the reference top-k of those scores: 32 requests (the filter's
+    batch) ending at tile and chunk boundaries, empty and one-entry requests, top-512. Maxima claimed
+    too high must change the picks (the given bound is read)."""
+    from dsv4.kernels.triton import topk
+    ents = (0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 4095, 4096, 4097, 8191, 8192, 8193,
+            9000, 700, 3000, 6000, 2, 1000, 5000, 7000, 8000, 600, 2048, 9001)
+    args = _tma_args(ents)
+    scores, gm = tri.scores_and_maxima(*args, tma=True, tma_int8=int8, num_programs=programs, group_max=True)
+    bsz, n = scores.shape
+    p = gm.shape[1] // 64
+    assert gm.shape == (bsz, 64 * tma_scan.programs_per_request(programs or p, n))
+    bits = scores.view(torch.int32)
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    i = torch.arange(n, device=scores.device)
+    scanned = (i // 64)[None, :] < (args[5].long()[:, None].clamp(max=n) + 63) // 64
+    keys = torch.where(scanned, keys, -2 ** 31)
+    want = torch.full((bsz, 64 * p), -2 ** 31, dtype=torch.int64, device=scores.device)
+    want.scatter_reduce_(1, ((i // 64) % p * 64 + i % 64).expand_as(keys), keys, "amax")
+    assert torch.equal(gm.long(), want)
+    assert 512 <= gm.shape[1] <= topk.GIVEN_GROUPS_MAX and bsz >= topk.FILTER_MIN_ROWS
+    top = tri.decode_indexer_topk(*args, 512, tma=True, tma_int8=int8, num_programs=programs)
+    assert torch.equal(top, ref.topk_smaller_index(scores, 512))
+    high = gm.clone()
+    high[:, :600] = 2 ** 31 - 1
+    assert not torch.equal(tri.topk_smaller_index(scores, 512, group_max=high), top)
 
 
 @pytest.mark.gpu

@@ -110,6 +110,39 @@ def test_topk_filter(n, k, groups, block, fchunk):
     _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block, filter_chunk=fchunk)
 
 
+def _group_keys(scores: torch.Tensor, groups: int, period: int) -> torch.Tensor:
+    """[B, groups] int32: the maxima (as the top-k's int32 keys; INT32_MIN where empty) of the groups
+    g = (i // period) % (groups // period) * period + i % period of each row, the indexer scan's
+    grouping (period 64: its row slots, groups 64 P for P programs a request)."""
+    bits = scores.contiguous().view(torch.int32)
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    i = torch.arange(scores.shape[1], device=scores.device)
+    g = (i // period) % (groups // period) * period + i % period
+    out = torch.full((scores.shape[0], groups), -2 ** 31, dtype=torch.int64, device=scores.device)
+    out.scatter_reduce_(1, g.expand_as(keys), keys, "amax")
+    return out.to(torch.int32)
+
+
+@pytest.mark.parametrize("n,k,groups,period,block", [
+    (600, 16, 64, 16, None), (600, 16, 128, 64, 32), (1000, 64, 256, 64, None), (129, 8, 32, 8, None),
+    (2000, 32, 32, 32, 128)])
+def test_topk_filter_given_maxima(n, k, groups, period, block):
+    """The filter with group maxima handed in (the indexer scan's strided groups): every program finds
+    the bound from them, no maxima pass. Random and hard rows; groups with no score; exactly k groups
+    (the bound is then the least maximum); groups that hold whole runs of an ascending row."""
+    gen = torch.Generator().manual_seed(n + groups)
+    s = _rows(6, n, gen)
+    s[0] = torch.arange(n, dtype=torch.float32)
+    s[1, 10:] = float("-inf")
+    s[2, n // 2:] = _neg_nan(n - n // 2)
+    s = s.to(DEVICE)
+    gk = _group_keys(s, groups, period)
+    _check(s, k, groups=groups, block=block, group_max=gk)
+    _check(s, k, groups=groups, block=block, filter_chunk=n // 3, group_max=gk)
+    few = _group_keys(s, period, period)                 # fewer groups than k: not read, still exact
+    _check(s, period + 1, groups=4 * (period + 1), group_max=few)
+
+
 def _neg_nan(n: int) -> torch.Tensor:
     """NaNs with the sign bit set: their keys sort below -inf's (the reference picks them after it)."""
     return torch.full((n,), -4194304, dtype=torch.int32).view(torch.float32)      # 0xFFC00000

@@ -121,10 +121,9 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     if comp is not None:
         if csa:
             # the raw weights_proj columns and their scale: g is formed in the scorer (no conversion kernels)
-            scores = ops.paged_indexer_scores(qi, proj["iw"], pool.indexer, sch.indexer_format, b.block_table,
-                                              num_entries, max_entries, sch.entries_per_block,
+            indices = ops.decode_indexer_topk(qi, proj["iw"], pool.indexer, sch.indexer_format, b.block_table,
+                                              num_entries, max_entries, sch.entries_per_block, comp.indexer.topk,
                                               comp.indexer.weight_scale)
-            indices = ops.topk_smaller_index(scores, comp.indexer.topk)
             num_entries = None
     if side is not None:
         main.wait_stream(side)

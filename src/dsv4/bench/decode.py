@@ -6,7 +6,7 @@ both layers and every implementation; per layer:
     op          what is timed (one decode step of B requests, token at position C - 1)
     append      append_window                                 kv into the window ring
     flush       compress_decode + write_entries               (CSA: main and indexer compressors)
-    indexer     paged_indexer_scores + topk_smaller_index     CSA only
+    indexer     decode_indexer_topk (scores + top-k)          CSA only
     attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
     cache       the four above in sequence                    "cache-side decode work"
     layer       AttentionSubBlock.forward                     projections included
@@ -155,8 +155,8 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
             ops.write_entries(pool.indexer, ifmt, k, ereq, ki, b.block_table, epb)
 
     def indexer() -> torch.Tensor:
-        scores = ops.paged_indexer_scores(qi, g, pool.indexer, ifmt, b.block_table, num_entries, max_entries, epb)
-        return ops.topk_smaller_index(scores, idx.topk)
+        return ops.decode_indexer_topk(qi, g, pool.indexer, ifmt, b.block_table, num_entries, max_entries, epb,
+                                       idx.topk)
 
     def attention(sel: torch.Tensor | None) -> torch.Tensor:
         return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, cfg.sliding_window,

@@ -2,7 +2,8 @@
 
 Both namespaces export the same functions with the same signatures:
 append_window, write_entries, gather_window, gather_entries, gather_all_entries,
-compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, prefill_indexer_topk, norm_rope,
+compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, decode_indexer_topk,
+prefill_indexer_topk, norm_rope,
 rope_cos_sin, decode_attention, prefill_attention, linear and linear_fp8 (the layer's projections:
 dense and FP8 block weights). `auto` picks Triton on CUDA when Triton is importable, else the reference.
 """
@@ -26,7 +27,8 @@ def _reference() -> types.SimpleNamespace:
         compress_update=compress.compress_update, gather_window=cache_ops.gather_window,
         gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
-        topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
+        topk_smaller_index=decode.topk_smaller_index, decode_indexer_topk=decode.decode_indexer_topk,
+        decode_attention=decode.decode_attention,
         prefill_indexer_topk=indexer.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
         rope_cos_sin=norm_rope.rope_cos_sin, prefill_attention=attention.prefill_attention, linear=linear.linear,
         linear_fp8=linear.linear_fp8)

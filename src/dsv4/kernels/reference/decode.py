@@ -110,6 +110,15 @@ def topk_smaller_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
+                        block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int, k: int,
+                        weight_scale: float = 1.0) -> torch.Tensor:
+    """A decode step's indexer selection: `topk_smaller_index` of `paged_indexer_scores` ([B, k] int64,
+    -1 padded); one op so that a backend may pass what its scan learns to its top-k."""
+    scores = paged_indexer_scores(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb, weight_scale)
+    return topk_smaller_index(scores, k)
+
+
 def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: torch.Tensor,
                      request_slots: torch.Tensor, positions: torch.Tensor, window: int,
                      kv_views: Views | None, block_table: torch.Tensor | None, epb: int,

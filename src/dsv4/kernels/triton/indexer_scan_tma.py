@@ -274,7 +274,10 @@ def _decode8(words, srow, srow_acc):
 
 @gluon.jit
 def _store(out_row, score, offs, n_b, max_entries):
-    gl.store(out_row + offs, gl.where(offs < n_b, score, float("-inf")), mask=offs < max_entries)
+    """The tile's scores (-inf past the request's entries) into the row; returns them, for the group maxima."""
+    score = gl.where(offs < n_b, score, float("-inf"))
+    gl.store(out_row + offs, score, mask=offs < max_entries)
+    return score
 
 
 @gluon.jit
@@ -292,7 +295,7 @@ def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, ou
     keys, glob = _decode(words, srow, srow_acc)
     acc = warpgroup_mma(keys, qt, gl.zeros([_EPB, 64], gl.float32, layout=_acc()), use_acc=False)
     score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)      # glob > 0: after ReLU
-    _store(out_row, score, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc())), n_b, max_entries)
+    return _store(out_row, score, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc())), n_b, max_entries)
 
 
 @gluon.jit
@@ -308,14 +311,19 @@ def _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, o
     # denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with the key's factor
     f8 = gl.maximum(acc8 + k8, 0).to(gl.float32, bitcast=True)
     score8 = gl.sum(f8 * wts8, axis=1) * (glob8 * (out_scale * 2.0 ** 48))
-    _store(out_row, score8, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc8())), n_b, max_entries)
+    return _store(out_row, score8, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc8())), n_b,
+                  max_entries)
 
 
 @gluon.jit
-def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_desc, bt_ptr, nent_ptr, s_qb, s_qh,
-                     s_wb, s_ob, s_bt,
+def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr, nent_ptr,
+                     s_qb, s_qh, s_wb, s_ob, s_gb, s_bt,
                      num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
-                     INT8: gl.constexpr, PDL: gl.constexpr):
+                     INT8: gl.constexpr, GMAX: gl.constexpr, PDL: gl.constexpr):
+    """Program (b, p): the scores of request b's tiles p, p + P, ... (P programs a request) into
+    out[b]; GMAX: also the maxima of its 64 row slots over those tiles into gmax[b, 64 p ..] as the
+    top-k's int32 keys (`topk._keys`; group 64 p + r holds entries 64 (p + i P) + r: disjoint groups
+    64 P entries apart, for the top-k's filter)."""
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
@@ -364,6 +372,8 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
     rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
     out_row = out_ptr + b.to(gl.int64) * s_ob
     qt = q_s.permute((1, 0))
+    GM_L: gl.constexpr = gl.SliceLayout(1, _acc8()) if INT8 else gl.SliceLayout(1, ACC)
+    gm = gl.full([_EPB], -2147483648, gl.int32, layout=GM_L)       # the least key: a group with no score
     for it in range(0, mine):
         s = it % NS
         blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
@@ -375,7 +385,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
         tile0 = (p0 + it * step) * _EPB
         if INT8:
             if narrow & q_fits:
-                _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
+                sc = _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
             else:
                 if not q16_ready:
                     _store_q16(q_s, q_ptr, b, s_qb, s_qh)
@@ -383,9 +393,15 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_
                     _barrier()
                     q16_ready = True
                 wts = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)       # L1 hits
-                _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale)
+                sc = gl.convert_layout(
+                    _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale), GM_L)
         else:
-            _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
+            sc = _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
+        if GMAX:            # in the top-k's order-preserving int32 keys, so NaNs rank as the reference's do
+            bits = sc.to(gl.int32, bitcast=True)
+            gm = gl.maximum(gm, gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+    if GMAX:
+        gl.store(gmax_ptr + b.to(gl.int64) * s_gb + p0 * _EPB + gl.arange(0, _EPB, layout=GM_L), gm)
     # tiles past this request's entries: -inf only
     nt = gl.cdiv(n_b, _EPB)
     first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
@@ -450,12 +466,22 @@ def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescrip
             TensorDescriptor.from_tensor(scales, [1, EPB], _flat(2)))
 
 
+def programs_per_request(programs: int, max_entries: int) -> int:
+    """The grid's programs a request (P): `programs`, at most one a tile."""
+    return max(1, min(programs, triton.cdiv(max_entries, EPB)))
+
+
 def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
            block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, weight_scale: float,
-           programs: int, *, stages: int = STAGES, maxnreg: int | None = None, int8: bool = INT8):
-    """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32."""
+           programs: int, *, stages: int = STAGES, maxnreg: int | None = None, int8: bool = INT8,
+           gmax: torch.Tensor | None = None):
+    """Scores of q [B, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [B, max_entries] fp32; with
+    gmax [B, 64 P] int32 (P = `programs_per_request`) also the group maxima of each row (`_scan_tma_kernel`)."""
     bsz = q.shape[0]
     tiles = triton.cdiv(max_entries, EPB)
+    nprog = programs_per_request(programs, max_entries)
+    if gmax is not None:
+        assert gmax.shape == (bsz, nprog * EPB) and gmax.dtype == torch.int32 and gmax.stride(1) == 1
     d_desc, s_desc = _descriptors(data, scale)
     q8 = torch.empty(bsz, 64, 128, dtype=torch.int8, device=q.device)
     kw = torch.empty(bsz, 128, dtype=torch.int32, device=q.device)
@@ -465,9 +491,9 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
         _q8_kernel[(bsz, Q8_BLOCKS)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0),
                                      weight_scale, HB=64 // Q8_BLOCKS, PDL=chain, num_warps=4,
                                      **({"launch_pdl": True} if chain else {}))
-    return _scan_tma_kernel[(bsz, max(1, min(programs, tiles)))](
-        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
-        weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5,
-        weight_scale,
-        NS=stages, INT8=int8, PDL=chain, num_warps=4, maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG),
-        **({"launch_pdl": True} if chain else {}))
+    return _scan_tma_kernel[(bsz, nprog)](
+        q, weights, q8, kw, fits, out, gmax if gmax is not None else kw, d_desc, s_desc, block_table, num_entries,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0,
+        block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+        NS=stages, INT8=int8, GMAX=gmax is not None, PDL=chain, num_warps=4,
+        maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG), **({"launch_pdl": True} if chain else {}))

@@ -146,13 +146,21 @@ def _indexer_scores_kernel(
 
 def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
                          block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int,
-                         weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
-                         num_programs: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
-                         prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
-                         tma_stages: int = indexer_scan_tma.STAGES,
-                         tma_maxnreg: int | None = None,
-                         tma_int8: bool | None = None) -> torch.Tensor:
+                         weight_scale: float = 1.0, **tuning) -> torch.Tensor:
+    """The reference's op: the scores of `scores_and_maxima` (tuning: its keyword arguments)."""
+    return scores_and_maxima(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb, weight_scale,
+                             **tuning)[0]
+
+
+def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
+                      block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int,
+                      weight_scale: float = 1.0, *, precision: str | None = None, block_n: int | None = None,
+                      num_programs: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, decode: int = 0, scan: bool | None = None,
+                      prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
+                      tma_stages: int = indexer_scan_tma.STAGES, tma_maxnreg: int | None = None,
+                      tma_int8: bool | None = None,
+                      group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -175,8 +183,11 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
             `indexer_scan_tma.MAXNREG` or `MAXNREG_INT8`).
             tma_int8: its int8 MMA where the keys and queries fit it exactly (else its bf16 one); by
                 default from TMA_INT8_TILES key tiles in the batch.
+        group_max: where the TMA scan runs, also the maxima of disjoint groups of each row's scores
+            (the top-k filter's bound: `topk.topk_smaller_index(group_max=...)`).
     Returns:
-        [B, N] fp32, -inf at w >= num_entries[b].
+        ([B, N] fp32, -inf at w >= num_entries[b]; [B, G] int32 group maxima as the top-k's keys, or
+        None where the TMA scan did not run or group_max is False).
     """
     if fmt.name not in _IDX_FMT:
         raise FormatError(f"paged_indexer_scores reads indexer formats {tuple(_IDX_FMT)}, got {fmt.name!r}")
@@ -185,7 +196,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         raise InputError(f"q must be [B, H, {fmt.dim}] and weights [B, H]; got {list(q.shape)}, {list(weights.shape)}")
     out = torch.empty(bsz, max_entries, dtype=torch.float32, device=q.device)
     if bsz == 0 or max_entries == 0:
-        return out
+        return out, None
     prec = precision_id(precision, DEFAULT_PRECISION[fmt.name])
     cuda = q.device.type == "cuda"
     # sm_90 compile (H 64, D_I 128): bf16x2 BLOCK_N 64 / 4 warps ~120 registers, no spill (H200:
@@ -213,12 +224,16 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         # 4 / 8 / 12 / 16 / 24 per SM (sweep, NOTES.md thirty-second round)
         per_sm = 16 if total >= SCAN_MANY_TILES else 4
         tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
+        gmax = None
+        if group_max:
+            nprog = indexer_scan_tma.programs_per_request(tnp, max_entries)
+            gmax = torch.empty(bsz, nprog * indexer_scan_tma.EPB, dtype=torch.int32, device=q.device)
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
                                     weight_scale, tnp, stages=tma_stages,
                                     maxnreg=tma_maxnreg,
-                                    int8=total >= TMA_INT8_TILES if tma_int8 is None else tma_int8)
+                                    int8=total >= TMA_INT8_TILES if tma_int8 is None else tma_int8, gmax=gmax)
         note_compile("indexer_scores", k)
-        return out
+        return out, gmax
     if scan is not False and indexer_scan.scan_supported(fmt.name, dim, data, scale, prec):
         sbn = block_n or (64 if cuda else 16)
         stiles = triton.cdiv(max_entries, sbn)
@@ -236,7 +251,7 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
                                      block_n=sbn, prefetch=prefetch, keys_m=keys_m,
                                      num_warps=num_warps or 4, num_stages=num_stages)
         note_compile("indexer_scores", k)
-        return out
+        return out, None
     extra = {"num_stages": num_stages} if num_stages else {}
     k = _indexer_scores_kernel[(bsz, min(nprog, tiles))](
         q, weights, out, data, scale, glob, block_table, num_entries,
@@ -248,4 +263,4 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
         DECODE=decode, UNIT=14 if decode == 0 else 6, UNIT_MUL=2.0 ** (14 if decode == 0 else 6),
         num_warps=warps, **extra)
     note_compile("indexer_scores", k)
-    return out
+    return out, None

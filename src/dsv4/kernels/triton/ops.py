@@ -27,7 +27,8 @@ def namespace() -> types.SimpleNamespace:
         compress_update=compress.compress_update, gather_window=gather.gather_window,
         gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
         compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
-        topk_smaller_index=decode.topk_smaller_index, decode_attention=decode.decode_attention,
+        topk_smaller_index=decode.topk_smaller_index, decode_indexer_topk=decode.decode_indexer_topk,
+        decode_attention=decode.decode_attention,
         prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
         rope_cos_sin=norm_rope.rope_cos_sin, prefill_attention=prefill_attention.prefill_attention,
         linear=gemv.linear, linear_fp8=fp8_linear.linear_fp8)

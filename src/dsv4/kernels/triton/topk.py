@@ -332,20 +332,29 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 
 
 @triton.jit
-def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
-                   SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
+def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, gmax_ptr, s_row, c_row, o_row, g_row, N,
+                   K, CH, n_groups, SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+                   SEL_BLOCK: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr, NG: tl.constexpr,
+                   PASSES: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): chunk j's candidates, the scores at or above row b's bound lb[b]
     (`_group_max_kernel`), whose indices go to cand[b, j*CH ...] in index order (-inf scores left
     out and counted instead), their count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]. The
     row's last program to finish (counted in at arrive[b], zero before the launch) then runs the
     exact select over the row's candidates (`_topk_row`, SEL_BLOCK of them held in registers) and
-    writes out[b]. PDL: see `pdl_enter`."""
+    writes out[b]. NG > 0: every program finds the bound itself from the row's n_groups <= NG
+    group maxima gmax[b] (int32 keys, given by the caller: the indexer scan's) and writes it to
+    lb[b] for the select. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = s_ptr + b * s_row
-    thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
+    if NG > 0:
+        ga = tl.arange(0, NG)
+        gk = tl.load(gmax_ptr + b * g_row + ga, mask=ga < n_groups, other=-2147483648)
+        thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
+        tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))        # the same value from every program
+    else:
+        thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
     neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     lo = j * CH
@@ -374,7 +383,7 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
                        chunk: int | None = None, digit: int | None = None, groups: int | None = None,
-                       filter_chunk: int | None = None) -> torch.Tensor:
+                       filter_chunk: int | None = None, group_max: torch.Tensor | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
     Long rows of a large batch on CUDA run through a filter (`groups` group maxima per row, default
@@ -386,6 +395,11 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     scores each give their exact top-k (grid B x chunks), then the top-k of those candidates (every
     global pick is among its chunk's picks; candidates keep index order chunk by chunk, so ties still
     go to the smaller index); chunk 0 = one stage. block, num_warps, digit (bits per select pass): tuning.
+
+    group_max: [B, G] int32, the maxima of G disjoint groups of each row's scores as `_keys` (each the
+    key of a score of its group, or INT32_MIN for an empty group), e.g. from the indexer scan
+    (`indexer_scores.scores_and_maxima`). Where the filter runs and k <= G <= GIVEN_GROUPS_MAX, its
+    bound comes from these (no pass over the scores for maxima); otherwise they are not read.
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
@@ -402,7 +416,10 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
             and (bsz >= FILTER_MIN_ROWS or n >= FILTER_LONG_ROW) else 0
     ng = triton.next_power_of_2(groups) if groups else 0
     if ng >= k and n > ng:          # K groups to bound the K-th score with
-        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit)
+        given = group_max is not None and group_max.shape[0] == bsz and k <= group_max.shape[1] <= GIVEN_GROUPS_MAX
+        if given:
+            assert group_max.dtype == torch.int32 and group_max.stride(1) == 1, "group_max: [B, G] int32 keys"
+        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit, group_max if given else None)
         return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
@@ -435,6 +452,8 @@ FILTER_MIN_ROWS = 32
 FILTER_LONG_ROW = 65536
 #: scores per filter program on CUDA (a row's chunks are filtered side by side)
 FILTER_CHUNK = 4096
+#: given group maxima a row the filter's programs each reduce to its bound (more: the filter finds its own)
+GIVEN_GROUPS_MAX = 8192
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
@@ -478,27 +497,33 @@ def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, 
 
 
 def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
-            num_warps: int | None, cuda: bool, digit: int | None) -> None:
-    """Two launches: the group maxima and the row's bound, then the candidates and the exact select."""
+            num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None) -> None:
+    """Two launches: the group maxima and the row's bound, then the candidates and the exact select;
+    one with group_max given (the filter's programs find the bound from it)."""
     bsz, n = scores.shape
     dev = scores.device
     ch, p, g = filter_layout(n, ng, chunk, cuda)
-    gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
     cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
     counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
     arrive = torch.zeros(2, bsz, dtype=torch.int32, device=dev)      # each kernel's per-row count of finished programs
-    steps = max(1, min(triton.cdiv(ch, g), 4096 // g))
-    _group_max_kernel[(bsz, p)](scores, gmax, bound, arrive[0], scores.stride(0), gmax.stride(0), n, k, ch, p * g,
-                                G=g, SKEW=int(0.618 * g) | 1 if g > 1 else 0, STEPS=triton.next_power_of_2(steps),
-                                NG=triton.next_power_of_2(p * g), PASSES=FILTER_PASSES, DIGIT=digit or DIGIT,
-                                num_warps=4, **pdl_launch(dev))
+    if group_max is None:
+        gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
+        steps = max(1, min(triton.cdiv(ch, g), 4096 // g))
+        _group_max_kernel[(bsz, p)](scores, gmax, bound, arrive[0], scores.stride(0), gmax.stride(0), n, k, ch,
+                                    p * g, G=g, SKEW=int(0.618 * g) | 1 if g > 1 else 0,
+                                    STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
+                                    PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
+    else:
+        gmax = group_max
     blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
-                             out.stride(0), n, k, ch, SEGS=p, BLOCK=blk, ROW=min(32, blk),
-                             SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT,
-                             num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
+    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, gmax, scores.stride(0), cand.stride(0),
+                             out.stride(0), gmax.stride(0), n, k, ch, gmax.shape[1], SEGS=p, BLOCK=blk,
+                             ROW=min(32, blk), SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k),
+                             DIGIT=digit or DIGIT,
+                             NG=triton.next_power_of_2(gmax.shape[1]) if group_max is not None else 0,
+                             PASSES=FILTER_PASSES, num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
