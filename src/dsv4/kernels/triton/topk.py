@@ -332,29 +332,33 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 
 
 @triton.jit
-def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, gmax_ptr, s_row, c_row, o_row, g_row, N,
-                   K, CH, n_groups, SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                   SEL_BLOCK: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr, NG: tl.constexpr,
-                   PASSES: tl.constexpr, PDL: tl.constexpr):
+def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr, DIGIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Program b: row b's bound `_row_bound` from n_groups <= NG group maxima given as int32 keys
+    (gmax[b], e.g. the indexer scan's) -> lb[b]. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    ga = tl.arange(0, NG)
+    gk = tl.load(gmax_ptr + b * g_row + ga, mask=ga < n_groups, other=-2147483648)
+    thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
+    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
+                   SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): chunk j's candidates, the scores at or above row b's bound lb[b]
-    (`_group_max_kernel`), whose indices go to cand[b, j*CH ...] in index order (-inf scores left
-    out and counted instead), their count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]. The
-    row's last program to finish (counted in at arrive[b], zero before the launch) then runs the
-    exact select over the row's candidates (`_topk_row`, SEL_BLOCK of them held in registers) and
-    writes out[b]. NG > 0: every program finds the bound itself from the row's n_groups <= NG
-    group maxima gmax[b] (int32 keys, given by the caller: the indexer scan's) and writes it to
-    lb[b] for the select. PDL: see `pdl_enter`."""
+    (`_group_max_kernel` or `_bound_kernel`), whose indices go to cand[b, j*CH ...] in index order
+    (-inf scores left out and counted instead), their count to cnt[b, j] and the -inf count to
+    cnt[b, SEGS + j]. The row's last program to finish (counted in at arrive[b], zero before the
+    launch) then runs the exact select over the row's candidates (`_topk_row`, SEL_BLOCK of them held
+    in registers) and writes out[b]. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = s_ptr + b * s_row
-    if NG > 0:
-        ga = tl.arange(0, NG)
-        gk = tl.load(gmax_ptr + b * g_row + ga, mask=ga < n_groups, other=-2147483648)
-        thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
-        tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))        # the same value from every program
-    else:
-        thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
+    thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
     neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     lo = j * CH
@@ -498,8 +502,8 @@ def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, 
 
 def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
             num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None) -> None:
-    """Two launches: the group maxima and the row's bound, then the candidates and the exact select;
-    one with group_max given (the filter's programs find the bound from it)."""
+    """Two launches: the group maxima and the row's bound (with group_max given: the bound alone, a
+    program a row), then the candidates and the exact select."""
     bsz, n = scores.shape
     dev = scores.device
     ch, p, g = filter_layout(n, ng, chunk, cuda)
@@ -515,15 +519,15 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
                                     STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
                                     PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     else:
-        gmax = group_max
+        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k,
+                              NG=triton.next_power_of_2(group_max.shape[1]), PASSES=FILTER_PASSES,
+                              DIGIT=digit or DIGIT, num_warps=8 if cuda else 4, **pdl_launch(dev))
     blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, gmax, scores.stride(0), cand.stride(0),
-                             out.stride(0), gmax.stride(0), n, k, ch, gmax.shape[1], SEGS=p, BLOCK=blk,
-                             ROW=min(32, blk), SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k),
-                             DIGIT=digit or DIGIT,
-                             NG=triton.next_power_of_2(gmax.shape[1]) if group_max is not None else 0,
-                             PASSES=FILTER_PASSES, num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
+    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
+                             out.stride(0), n, k, ch, SEGS=p, BLOCK=blk, ROW=min(32, blk),
+                             SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT,
+                             num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
