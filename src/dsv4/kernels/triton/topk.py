@@ -334,12 +334,15 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 @triton.jit
 def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr, DIGIT: tl.constexpr,
                   PDL: tl.constexpr):
-    """Program b: row b's bound `_row_bound` from n_groups <= NG group maxima given as int32 keys
-    (gmax[b], e.g. the indexer scan's) -> lb[b]. PDL: see `pdl_enter`."""
+    """Program b: row b's bound `_row_bound` from its n_groups group maxima given as int32 keys
+    (gmax[b], e.g. the indexer scan's), those past NG folded onto the first (n_groups <= 2 NG; a
+    merged group's maximum is the larger one) -> lb[b]. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     ga = tl.arange(0, NG)
-    gk = tl.load(gmax_ptr + b * g_row + ga, mask=ga < n_groups, other=-2147483648)
+    row = gmax_ptr + b * g_row
+    gk = tl.maximum(tl.load(row + ga, mask=ga < n_groups, other=-2147483648),
+                    tl.load(row + NG + ga, mask=NG + ga < n_groups, other=-2147483648))
     thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
     tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
 
@@ -519,9 +522,10 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
                                     STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
                                     PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     else:
-        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k,
-                              NG=triton.next_power_of_2(group_max.shape[1]), PASSES=FILTER_PASSES,
-                              DIGIT=digit or DIGIT, num_warps=8 if cuda else 4, **pdl_launch(dev))
+        # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)
+        ngf = max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
+        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k, NG=ngf,
+                              PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
     _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
