@@ -49,6 +49,12 @@ against four with them in registers: -1 to -2% (H100, 128K B = 64 93.3-93.9 -> 9
 624-626 -> 611-620). The scan is compute-bound: its page copies alone take 42-45% of its time
 (`benchmarks/scan_floor.py`).
 
+With `gmax` (GMAX) each program also keeps the maxima of its 64 row slots over its tiles (groups of
+entries 64 P apart, P programs a request) and stores them as the top-k's int32 keys: the top-k's
+filter bounds the k-th score from these instead of a pass over the scores for maxima of its own
+(`decode.decode_indexer_topk`); the scan pays +1.2-2.2 µs at 128K B = 64 for the running maxima
+(two spilled registers at 80), the step saves ~2 at 128K and ~14 at 1M (H100).
+
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
 dot's K order and the head sum's order differ; the int8 MMA's dots are exact). Static grid, no host
 reads: capturable in a CUDA graph.
