@@ -117,6 +117,32 @@ def test_cuda_graph_replay_equals_eager(layer):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
+@pytest.mark.parametrize("layer", [1, 2])
+def test_output_weight_prefetch_changes_nothing(layer, fp8_weights, monkeypatch):
+    """The L2 prefetch of the output projection's weights (decode steps of up to PREFETCH_MAX_ROWS
+    rows, on a branch of its own) leaves every output bit as it was, eager and replayed, and asks for
+    the whole tensors where they fit the budget (a prefix of the last one where they do not)."""
+    from dsv4.attention import decode_path
+    from dsv4.kernels.triton import prefetch
+    cfg = tiny_config()
+    w, xs, sched = _case(cfg, layer, {"a": 37, "b": 5, "c": 70}, 12)
+    assert len(xs) <= decode_path.PREFETCH_MAX_ROWS
+    kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
+    on = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=True, **kw)
+    on_eager = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), **kw)
+    monkeypatch.setattr(decode_path, "PREFETCH_MAX_ROWS", 0)
+    off = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=True, **kw)
+    for r in xs:
+        assert torch.equal(on[r], off[r]) and torch.equal(on_eager[r], off[r]), r
+    ts = [torch.randn(n, device="cuda") for n in (3, 1000, 40_000, 300_001)]      # 12 B .. 1.2 MB, odd sizes
+    total = sum(t.numel() * 4 & ~15 for t in ts)
+    assert prefetch.l2_prefetch(ts, 1 << 30) == total
+    assert prefetch.l2_prefetch(ts, 170_000) == 170_000
+    assert prefetch.l2_prefetch([t.cpu() for t in ts], 1 << 30) == 0
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
 def test_engine_cuda_graphs_generate_the_same_tokens(fp8_weights):
     """The engine's decode graphs (captured per batch size) give the eager engine's tokens, with dense
     or FP8 block projection weights."""

@@ -95,6 +95,7 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
     q_up = blk.query_up(blk.q_residual(proj, ops), ops)
+    prefetching = _prefetch_output(blk, b.num_requests, main, ops)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
     q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
@@ -128,7 +129,37 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     if side is not None:
         main.wait_stream(side)
         main.wait_stream(table)
-    return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
-                                pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
-                                indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
-                                rope=(cos, sin), out_dtype=out_dtype)
+    o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
+                             pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
+                             indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
+                             rope=(cos, sin), out_dtype=out_dtype)
+    if prefetching is not None:
+        main.wait_stream(prefetching)       # long issued: the prefetch kernel only asks for the bytes
+    return o
+
+
+#: decode rows up to which the output projection's weights are prefetched into the L2 while the
+#: queries' norm, the indexer and the attention run (at more rows those read DRAM themselves)
+PREFETCH_MAX_ROWS = 4
+#: the share of the L2 the prefetched weights may take (the rest: what the attention reads meanwhile)
+PREFETCH_L2_SHARE = 0.75
+
+
+def _prefetch_output(blk, rows: int, main: torch.cuda.Stream | None, ops: types.SimpleNamespace
+                     ) -> torch.cuda.Stream | None:
+    """Launch `prefetch.l2_prefetch` of the output projection's weights (o_a, then W_ob while the
+    budget lasts) on a branch of its own, forked from the main stream now (after the q_b GEMM, so
+    it does not compete with it); returns the branch to join, or None where it does not apply (not
+    Triton, not sm_90+, more than PREFETCH_MAX_ROWS rows)."""
+    if main is None or ops.name != "triton" or rows > PREFETCH_MAX_ROWS:
+        return None
+    from dsv4.kernels.triton import prefetch
+    dev = main.device
+    if not prefetch.supported(dev):
+        return None
+    branch = side_stream(dev, 2)
+    branch.wait_stream(main)
+    with on(branch):
+        budget = int(PREFETCH_L2_SHARE * torch.cuda.get_device_properties(dev).L2_cache_size)
+        prefetch.l2_prefetch(blk.output_weights(), budget)
+    return branch

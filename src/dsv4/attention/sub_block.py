@@ -189,6 +189,12 @@ class AttentionSubBlock(nn.Module):
                                      x.dtype)
         return grouped_output(o, self.o_a_proj, self.o_b_proj, cfg.o_groups, ops)
 
+    def output_weights(self) -> list[torch.Tensor]:
+        """The output projection's weight tensors in the order its GEMMs read them (o_a, then W_ob;
+        an FP8 block weight's codes, then its scales)."""
+        return [t for m in (self.o_a_proj, self.o_b_proj)
+                for t in ((m.weight, m.weight_scale_inv) if isinstance(m, BlockFP8Linear) else (m.weight,))]
+
     def q_residual(self, proj: dict[str, torch.Tensor], ops) -> torch.Tensor:
         """q_res = RMSNorm_w(x W_qa) [T, R_q] (norm_rope with no rotated channels)."""
         q_a = proj["q_a"]
