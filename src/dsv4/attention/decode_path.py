@@ -13,6 +13,9 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            then, once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
+    prefetch  (one row) after the q_b GEMM: the output projection's weights asked into the L2
+           (`prefetch.l2_prefetch`, up to PREFETCH_L2_SHARE of it) while the latency-bound queries,
+           indexer and attention leave DRAM idle; joined after the attention
 
 The branches are chains of small latency-bound kernels that would otherwise wait behind the GEMM.
 What the GEMM starves waits until its first wave of programs ends, so each branch puts first what
@@ -95,7 +98,8 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
     q_up = blk.query_up(blk.q_residual(proj, ops), ops)
-    prefetching = _prefetch_output(blk, b.num_requests, main, ops)
+    # the output projection's weights into the L2 while the queries, indexer and attention run
+    prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
     q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
@@ -133,33 +137,33 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                              pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                              indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
                              rope=(cos, sin), out_dtype=out_dtype)
-    if prefetching is not None:
-        main.wait_stream(prefetching)       # long issued: the prefetch kernel only asks for the bytes
+    if main is not None and ops.name == "triton" and b.num_requests <= PREFETCH_MAX_ROWS:
+        main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernels only ask for the bytes
     return o
 
 
 #: decode rows up to which the output projection's weights are prefetched into the L2 while the
-#: queries' norm, the indexer and the attention run (at more rows those read DRAM themselves)
-PREFETCH_MAX_ROWS = 4
-#: the share of the L2 the prefetched weights may take (the rest: what the attention reads meanwhile)
-PREFETCH_L2_SHARE = 0.75
+#: queries' norm, the indexer and the attention run (measured at one row; at more rows those read
+#: DRAM themselves)
+PREFETCH_MAX_ROWS = 1
+#: the share of the L2 the prefetched output weights may take. H100 (50 MB L2), 128K B = 1, µs against no
+#: prefetch (72.2 FP8 / 105.9 BF16 HCA, 102.4-103.9 / 137.4 CSA): 0.2 69.9 / 103.9, 0.4 69.6 / 103.0,
+#: 0.45 70.1 / 103.1; from 0.5 erratic (0.55: HCA FP8 79.9; 0.75: every row 1-8 µs slower): the
+#: prefetch then evicts its own first lines before the GEMV reads them (benchmarks/NOTES.md #149)
+PREFETCH_L2_SHARE = 0.4
 
 
-def _prefetch_output(blk, rows: int, main: torch.cuda.Stream | None, ops: types.SimpleNamespace
-                     ) -> torch.cuda.Stream | None:
-    """Launch `prefetch.l2_prefetch` of the output projection's weights (o_a, then W_ob while the
-    budget lasts) on a branch of its own, forked from the main stream now (after the q_b GEMM, so
-    it does not compete with it); returns the branch to join, or None where it does not apply (not
-    Triton, not sm_90+, more than PREFETCH_MAX_ROWS rows)."""
-    if main is None or ops.name != "triton" or rows > PREFETCH_MAX_ROWS:
-        return None
+def prefetch_weights(tensors: list[torch.Tensor], rows: int, ops: types.SimpleNamespace, share: float) -> None:
+    """Launch `prefetch.l2_prefetch` of `tensors` (up to `share` of the L2) on the prefetch branch,
+    forked from the current stream now; `decode_attend` joins it after the attention. Nothing where it
+    does not apply (not Triton, not CUDA sm_90+, more than PREFETCH_MAX_ROWS rows)."""
+    if ops.name != "triton" or rows > PREFETCH_MAX_ROWS or not tensors or not tensors[0].is_cuda:
+        return
     from dsv4.kernels.triton import prefetch
-    dev = main.device
+    dev = tensors[0].device
     if not prefetch.supported(dev):
-        return None
+        return
     branch = side_stream(dev, 2)
-    branch.wait_stream(main)
+    branch.wait_stream(torch.cuda.current_stream(dev))
     with on(branch):
-        budget = int(PREFETCH_L2_SHARE * torch.cuda.get_device_properties(dev).L2_cache_size)
-        prefetch.l2_prefetch(blk.output_weights(), budget)
-    return branch
+        prefetch.l2_prefetch(tensors, int(share * torch.cuda.get_device_properties(dev).L2_cache_size))
