@@ -13,9 +13,10 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            then, once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
-    prefetch  (one row) after the q_b GEMM: the output projection's weights asked into the L2
-           (`prefetch.l2_prefetch`, up to PREFETCH_L2_SHARE of it) while the latency-bound queries,
-           indexer and attention leave DRAM idle; joined after the attention
+    prefetch  (one row; CSA up to PREFETCH_CSA_MAX_CONTEXT) after the q_b GEMM: the output
+           projection's weights asked into the L2 (`prefetch.l2_prefetch`, up to PREFETCH_L2_SHARE
+           of it) while the latency-bound queries, indexer and attention leave DRAM idle; joined
+           after the attention. H100, B = 1, FP8 weights: HCA 128K 72.0 -> 69.3 µs, CSA 103.9 -> 102.4
 
 The branches are chains of small latency-bound kernels that would otherwise wait behind the GEMM.
 What the GEMM starves waits until its first wave of programs ends, so each branch puts first what
@@ -98,8 +99,10 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
     q_up = blk.query_up(blk.q_residual(proj, ops), ops)
-    # the output projection's weights into the L2 while the queries, indexer and attention run
-    prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
+    # the output projection's weights into the L2 while the queries, indexer and attention run (not
+    # beside a long CSA scan, which reads DRAM itself)
+    prefetching = (not csa or b.seq_len_bound <= PREFETCH_CSA_MAX_CONTEXT) and \
+        prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
     q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
@@ -137,8 +140,8 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
                              pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                              indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
                              rope=(cos, sin), out_dtype=out_dtype)
-    if main is not None and ops.name == "triton" and b.num_requests <= PREFETCH_MAX_ROWS:
-        main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernels only ask for the bytes
+    if prefetching:
+        main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o
 
 
@@ -151,19 +154,25 @@ PREFETCH_MAX_ROWS = 1
 #: 0.45 70.1 / 103.1; from 0.5 erratic (0.55: HCA FP8 79.9; 0.75: every row 1-8 µs slower): the
 #: prefetch then evicts its own first lines before the GEMV reads them (benchmarks/NOTES.md #149)
 PREFETCH_L2_SHARE = 0.4
+#: contexts up to which CSA layers prefetch too: H100, B = 1, BF16 / FP8 weights, µs without -> with:
+#: 8K 123.6 / 90.0 -> 121.4 / 87.7, 128K 137.3 / 103.9 -> 136.2 / 102.4, but 1M 163.7 / 127.9 ->
+#: 165.7 / 132.4 (the scan of 17 MB of indexer keys then shares DRAM with the prefetch)
+PREFETCH_CSA_MAX_CONTEXT = 131072
 
 
-def prefetch_weights(tensors: list[torch.Tensor], rows: int, ops: types.SimpleNamespace, share: float) -> None:
-    """Launch `prefetch.l2_prefetch` of `tensors` (up to `share` of the L2) on the prefetch branch,
-    forked from the current stream now; `decode_attend` joins it after the attention. Nothing where it
-    does not apply (not Triton, not CUDA sm_90+, more than PREFETCH_MAX_ROWS rows)."""
+def prefetch_weights(tensors: list[torch.Tensor], rows: int, ops: types.SimpleNamespace, share: float) -> bool:
+    """Launch `prefetch.l2_prefetch` of `tensors` (up to `share` of the L2) on the prefetch branch
+    (`side_stream(dev, 2)`), forked from the current stream now; returns whether it did (the caller
+    joins the branch). Nothing where it does not apply (not Triton, not CUDA sm_90+, more than
+    PREFETCH_MAX_ROWS rows)."""
     if ops.name != "triton" or rows > PREFETCH_MAX_ROWS or not tensors or not tensors[0].is_cuda:
-        return
+        return False
     from dsv4.kernels.triton import prefetch
     dev = tensors[0].device
     if not prefetch.supported(dev):
-        return
+        return False
     branch = side_stream(dev, 2)
     branch.wait_stream(torch.cuda.current_stream(dev))
     with on(branch):
         prefetch.l2_prefetch(tensors, int(share * torch.cuda.get_device_properties(dev).L2_cache_size))
+    return True
