@@ -462,7 +462,7 @@ FILTER_MIN_ROWS = 32
 FILTER_LONG_ROW = 65536
 #: scores per filter program on CUDA (a row's chunks are filtered side by side)
 FILTER_CHUNK = 4096
-#: given group maxima a row the filter's programs each reduce to its bound (more: the filter finds its own)
+#: given group maxima a row `_bound_kernel` takes (folded to half their power of two; more: not read)
 GIVEN_GROUPS_MAX = 8192
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
