@@ -117,14 +117,17 @@ def test_cuda_graph_replay_equals_eager(layer):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
-@pytest.mark.parametrize("layer", [1, 2])
-def test_output_weight_prefetch_changes_nothing(layer, fp8_weights, monkeypatch):
-    """The L2 prefetch of the output projection's weights (decode steps of up to PREFETCH_MAX_ROWS
-    rows, on a branch of its own) leaves every output bit as it was, eager and replayed, and asks for
-    the whole tensors where they fit the budget (a prefix of the last one where they do not)."""
+def test_output_weight_prefetch_changes_nothing(fp8_weights, monkeypatch):
+    """The L2 prefetch of an HCA layer's output projection weights (decode steps of up to
+    PREFETCH_MAX_ROWS rows, on a branch of its own) leaves every output bit as it was, eager and
+    replayed; `l2_prefetch` asks for whole tensors where they fit the budget (a prefix of the last
+    one where they do not) and launches nothing for CPU tensors."""
     from dsv4.attention import decode_path
     from dsv4.kernels.triton import prefetch
+    from dsv4.model.layer_schedule import AttentionType
     cfg = tiny_config()
+    layer = 2
+    assert cfg.layer_schedule()[layer].attn is AttentionType.HCA
     w, xs, sched = _case(cfg, layer, {"a": 37, "b": 5, "c": 70}, 12)
     monkeypatch.setattr(decode_path, "PREFETCH_MAX_ROWS", len(xs))
     kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}

@@ -13,10 +13,11 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            then, once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
-    prefetch  (one row; CSA up to PREFETCH_CSA_MAX_CONTEXT) after the q_b GEMM: the output
-           projection's weights asked into the L2 (`prefetch.l2_prefetch`, up to PREFETCH_L2_SHARE
-           of it) while the latency-bound queries, indexer and attention leave DRAM idle; joined
-           after the attention. H100, B = 1, FP8 weights: HCA 128K 72.0 -> 69.3 µs, CSA 103.9 -> 102.4
+    prefetch  (HCA, one row) after the q_b GEMM: the output projection's weights asked into the
+           L2 (`prefetch.l2_prefetch`, up to PREFETCH_L2_SHARE of it) while the latency-bound
+           queries' norm and attention leave DRAM idle; joined after the attention. H100, B = 1,
+           BF16 / FP8 weights: 128K 104.5 / 71.8 -> 100.7 / 68.9 µs, 8K 103.4 / 70.1 -> 100.8 / 67.6.
+           CSA layers gained 1 µs or lost up to 2.5 (FP8 128K; 1M: +2 / +4.5, the scan sharing DRAM)
 
 The branches are chains of small latency-bound kernels that would otherwise wait behind the GEMM.
 What the GEMM starves waits until its first wave of programs ends, so each branch puts first what
@@ -99,9 +100,8 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
     q_up = blk.query_up(blk.q_residual(proj, ops), ops)
-    # the output projection's weights into the L2 while the queries, indexer and attention run (not
-    # beside a long CSA scan, which reads DRAM itself)
-    prefetching = (not csa or b.seq_len_bound <= PREFETCH_CSA_MAX_CONTEXT) and \
+    # HCA: the output projection's weights into the L2 while the queries' norm and the attention run
+    prefetching = sch.attn_type is AttentionType.HCA and \
         prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
     # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
     # conversion kernel runs before the attention (the same rounding the kernels would do)
@@ -154,10 +154,6 @@ PREFETCH_MAX_ROWS = 1
 #: 0.45 70.1 / 103.1; from 0.5 erratic (0.55: HCA FP8 79.9; 0.75: every row 1-8 µs slower): the
 #: prefetch then evicts its own first lines before the GEMV reads them (benchmarks/NOTES.md #149)
 PREFETCH_L2_SHARE = 0.4
-#: contexts up to which CSA layers prefetch too: H100, B = 1, BF16 / FP8 weights, µs without -> with:
-#: 8K 123.6 / 90.0 -> 121.4 / 87.7, 128K 137.3 / 103.9 -> 136.2 / 102.4, but 1M 163.7 / 127.9 ->
-#: 165.7 / 132.4 (the scan of 17 MB of indexer keys then shares DRAM with the prefetch)
-PREFETCH_CSA_MAX_CONTEXT = 131072
 
 
 def prefetch_weights(tensors: list[torch.Tensor], rows: int, ops: types.SimpleNamespace, share: float) -> bool:
