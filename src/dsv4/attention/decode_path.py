@@ -145,9 +145,9 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     return o
 
 
-#: decode rows up to which the output projection's weights are prefetched into the L2 while the
-#: queries' norm, the indexer and the attention run (measured at one row; at more rows those read
-#: DRAM themselves)
+#: decode rows up to which an HCA layer's output projection weights are prefetched into the L2 while
+#: the queries' norm and the attention run (measured at one row: at four, with a 0.75 share, every
+#: row was slower)
 PREFETCH_MAX_ROWS = 1
 #: the share of the L2 the prefetched output weights may take. H100 (50 MB L2), 128K B = 1, µs against no
 #: prefetch (72.2 FP8 / 105.9 BF16 HCA, 102.4-103.9 / 137.4 CSA): 0.2 69.9 / 103.9, 0.4 69.6 / 103.0,
