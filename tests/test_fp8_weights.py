@@ -15,6 +15,7 @@ from dsv4 import KVCacheManager
 from dsv4.attention import AttentionSubBlock
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear_fp8 as ref_linear_fp8
+from dsv4.kernels.reference.linear import rms_rows
 from dsv4.kernels.triton import fp8_linear
 from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
 from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
@@ -160,6 +161,29 @@ def test_prefill_regime_with_fp32_scales_rounds_weights_once():
     assert ((y.float() - want).abs() <= 2.0**-9 * mag + 2.0**-7 * want.abs() + 1e-6).all()
     torch.testing.assert_close(fp8_linear.dequantize(codes, scale, torch.float32), dequantize_blocks(codes, scale),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n,k", [(1, 200, 300), (1, 64, 1024), (3, 200, 300)])
+def test_triton_linear_fp8_applies_the_rms_norm(t, n, k, dtype):
+    """norm = (w, eps): one row normalises x inside the GEMV, more rows run the norm kernel first; both
+    against the reference (the norm rounded to x's dtype, then the product). x's RMS is ~37 and the norm
+    weight not all ones: a missing scale or weight fails by far; each normalised element may differ by
+    one rounding step of x's dtype (the interpreter's bf16 cast truncates)."""
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
+    codes, scale = quantize_blocks(w, "ue8m0")
+    x = (37 * torch.randn(t, k, device=DEVICE)).to(dtype)
+    norm = ((1 + 0.5 * torch.randn(k, device=DEVICE)).to(dtype), 1e-6)
+    y = tri_linear_fp8(x, codes, scale, norm=norm)
+    xn = rms_rows(x, norm)
+    want = ref_linear_fp8(xn.float(), codes, scale)
+    torch.testing.assert_close(ref_linear_fp8(x, codes, scale, norm=norm), want.to(dtype), rtol=0, atol=0)
+    mag = ref_linear_fp8(xn.float().abs(), codes.float().abs().to(codes.dtype), scale)
+    step = 1e-5 if dtype == torch.float32 else 2.0**-7
+    assert y.dtype == dtype and y.shape == (t, n)
+    excess = (y.float() - want).abs() - step * (mag + want.abs())
+    assert excess.max() <= 0, excess.max()
+    assert (tri_linear_fp8(x, codes, scale).float() - want).abs().max() > 10 * step * mag.max()
 
 
 def test_linear_fp8_rejects_bad_arguments():

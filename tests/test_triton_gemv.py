@@ -14,6 +14,7 @@ import torch
 
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear as ref_linear
+from dsv4.kernels.reference.linear import rms_rows
 from dsv4.kernels.triton import gemv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,6 +57,34 @@ def test_gemv_grouped(groups, n, k, dtype):
         gemv.gemv(torch.randn(1, 32 * k).to(DEVICE, dtype), torch.randn(96, k).to(DEVICE, dtype), 32)  # 3 a group
     with pytest.raises(InputError, match="x must be"):
         gemv.gemv(x[:, :-1], w, groups)                                         # x one column short
+
+
+@pytest.mark.parametrize("n,k", [(24, 1024), (7, 1000), (40, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_applies_the_rms_norm(n, k, dtype):
+    """norm = (w, eps): the kernel normalises x itself (the q_a norm before the q up-projection). x's
+    RMS is ~37 and the norm weight is not all ones, so a missing scale or weight is off by far more than
+    the bound; the bound allows each x element one rounding step of x's dtype (the interpreter's bf16
+    cast truncates) on top of `_check`'s."""
+    g = torch.Generator().manual_seed(n * 131 + k)
+    x = (37 * torch.randn(1, k, generator=g)).to(DEVICE, dtype)
+    nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    norm = (nw, 1e-6)
+    xn = rms_rows(x, norm)
+    want = xn.double() @ w.double().T
+    mag = xn.double().abs() @ w.double().abs().T
+    step = 2e-6 if dtype == torch.float32 else 2 ** -7
+    for got in (gemv.gemv(x, w, norm=norm), gemv.linear(x, w, norm=norm)):
+        assert got.shape == (1, n) and got.dtype == dtype
+        excess = (got.double() - want).abs() - step * (mag + want.abs())
+        assert excess.max() <= 0, excess.max()
+    assert (gemv.gemv(x, w).double() - want).abs().max() > 10 * step * mag.max()   # the norm did something
+    x3 = (37 * torch.randn(3, k, generator=g)).to(DEVICE, dtype)                  # more rows: norm, then GEMM
+    torch.testing.assert_close(gemv.linear(x3, w, norm=norm).float(), ref_linear(x3, w, norm=norm).float(),
+                               rtol=step, atol=step * mag.max().item())
+    with pytest.raises(InputError, match="one group"):
+        gemv.gemv(torch.randn(1, 2 * k).to(DEVICE, dtype), torch.randn(32, k).to(DEVICE, dtype), 2, norm=norm)
 
 
 @pytest.mark.gpu

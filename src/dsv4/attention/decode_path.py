@@ -99,7 +99,10 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         kv = blk.window_kv(proj, cos, sin, ops)
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
-    q_up = blk.query_up(blk.q_residual(proj, ops), ops)
+    if sch.attn_type in QA_NORM_IN_GEMM:
+        q_up = blk.query_up_normed(proj, ops)
+    else:
+        q_up = blk.query_up(blk.q_residual(proj, ops), ops)
     # HCA: the output projection's weights into the L2 while the queries' norm and the attention run
     prefetching = sch.attn_type is AttentionType.HCA and \
         prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
@@ -144,6 +147,10 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o
 
+
+#: layer types whose q up-projection applies the q_a norm itself (inside a one-row GEMV: no norm kernel
+#: between the input projections and it). Measured placeholder, see benchmarks/NOTES.md.
+QA_NORM_IN_GEMM = (AttentionType.CSA,)
 
 #: decode rows up to which an HCA layer's output projection weights are prefetched into the L2 while
 #: the queries' norm and the attention run (measured at one row: at four, with a 0.75 share, every

@@ -119,10 +119,17 @@ class FusedProjection:
             self._build()
         return self._dense
 
-    def __call__(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None) -> tuple[torch.Tensor, ...]:
-        """ops: the op namespace whose `linear` / `linear_fp8` run the GEMMs (default: the reference's)."""
+    def __call__(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None,
+                 norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
+        """ops: the op namespace whose `linear` / `linear_fp8` run the GEMMs (default: the reference's);
+        norm = (w, eps): the projections of RMSNorm_w(x) (each GEMM applies it: inside a one-row GEMV,
+        else by the norm kernel first)."""
         ops = ops or ops_for(x.device, "reference")
         dense = self.weight()
-        y_dense = ops.linear(x, dense) if dense is not None else None
-        y_fp8 = ops.linear_fp8(x, *self._fp8) if self._fp8 is not None else None
+        if norm is not None and dense is not None and self._fp8 is not None:
+            # two GEMMs: normalise once, before them
+            none = x.new_empty(x.shape[0], 0, dtype=torch.float32)
+            x, norm = ops.norm_rope(x, norm[0], norm[1], none, none), None
+        y_dense = ops.linear(x, dense, norm=norm) if dense is not None else None
+        y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm) if self._fp8 is not None else None
         return tuple((y_fp8 if fp8 else y_dense)[:, c:c + n] for (fp8, c), n in zip(self._cols, self.sizes))

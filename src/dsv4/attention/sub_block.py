@@ -206,6 +206,11 @@ class AttentionSubBlock(nn.Module):
         (`ops`: an op namespace; default the reference's)."""
         return dict(zip(self._q_up_names, self._q_up(q_res, ops)))
 
+    def query_up_normed(self, proj: dict[str, torch.Tensor], ops: types.SimpleNamespace) -> dict[str, torch.Tensor]:
+        """`query_up(q_residual(proj))` with the q_a norm inside the GEMMs: a one-row GEMV normalises
+        x itself, so no norm kernel runs between the input projections and the q up-projection."""
+        return dict(zip(self._q_up_names, self._q_up(proj["q_a"], ops, (self.q_a_norm.weight, self.cfg.rms_norm_eps))))
+
     def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] (fp32 unless asked)."""

@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.errors import InputError
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
+from dsv4.kernels.triton.gemv import _norm_args, rms_apply, rms_rows, rms_scale
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
@@ -54,13 +55,14 @@ _DESC_MIN_ROWS = 8
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # a K step is J scale blocks of 128: tiles [J, 128, BLOCK_N], so the J scales load as one vector
     # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale). Rows last: the
     # 128 contiguous codes of a row spread over threads and J over the warp, so each thread holds
     # every row of the program for its codes and converts and scales each x element once for all
-    # of them (rows first, the x slice was converted per row, after a shared-memory round trip)
+    # of them (rows first, the x slice was converted per row, after a shared-memory round trip).
+    # NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself
     J: tl.constexpr = BLOCK_K // 128
     n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -76,15 +78,21 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, n_group, s_wn, s_sn, BLOCK_N:
     w0 = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0)
     sc0 = tl.load(srow + rj, mask=rj * 128 < K, other=0.0)
     pdl_enter(PDL)
-    xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * sc0[:, None]
-    acc = w0.to(tl.float32) * xs[:, :, None]
+    if NORM:
+        inv = rms_scale(xg, K, eps, BLOCK_K)
+    xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32)
+    if NORM:
+        xs = rms_apply(xs, inv, nw_ptr, kk, km, x_ptr.dtype.element_ty)
+    acc = w0.to(tl.float32) * (xs * sc0[:, None])[:, :, None]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rj[:, None] * 128 + tl.arange(0, 128)[None, :]            # [J, 128]
         km = kk < K
         w = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0).to(tl.float32)
         sc = tl.load(srow + k0 // 128 + rj, mask=k0 + rj * 128 < K, other=0.0)
-        xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32) * sc[:, None]
-        acc += w * xs[:, :, None]
+        xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32)
+        if NORM:
+            xs = rms_apply(xs, inv, nw_ptr, kk, km, x_ptr.dtype.element_ty)
+        acc += w * (xs * sc[:, None])[:, :, None]
     tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty), mask=nm)
 
 
@@ -238,17 +246,20 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
 
 
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
-               tiles: tuple[int, int, int, int] | None = None, asm: bool = True,
-               splits: int | None = None, desc: bool | None = None) -> torch.Tensor:
+               norm: tuple[torch.Tensor, float] | None = None, tiles: tuple[int, int, int, int] | None = None,
+               asm: bool = True, splits: int | None = None, desc: bool | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
     warps, stages) with BLOCK_M >= the rows; asm=False: Triton's own e4m3 -> bf16 conversion instead
     of `_E4M3X2_TO_BF16`; splits: the GEMM's K splits instead of `_k_splits`'; desc: the GEMM's
     descriptor form wherever it fits (True) or its pointer form (False) instead of by the rows
-    (`_DESC_MIN_ROWS`; tuning, tests)."""
+    (`_DESC_MIN_ROWS`; tuning, tests). norm: inside the one-row kernel; more rows run the norm kernel
+    first."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
+    if norm is not None and t != 1:
+        x, norm = rms_rows(x, norm), None
     n, k = codes.shape
     n_group = n // groups
     y = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -267,8 +278,10 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     if t == 1:
         bn, bk, warps, stages = tiles or _gemv_tiles(n, k)
         bn = _block_n(n_group, groups, bn)
-        _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, n, k, n_group, codes.stride(0), scale.stride(0),
-                                            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **launch)
+        nw, eps = _norm_args(norm, groups, k, x)
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, nw, n, k, n_group, codes.stride(0), scale.stride(0),
+                                            eps, BLOCK_N=bn, BLOCK_K=bk, NORM=norm is not None, num_warps=warps,
+                                            num_stages=stages, **launch)
         return y
     bm, bn, warps, stages = tiles or _gemm_tiles(t, x.element_size())
     if bm < t:

@@ -24,6 +24,7 @@ import triton.language as tl
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear as torch_linear
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
+from dsv4.kernels.triton.norm_rope import norm_rope
 
 
 def _tiles(k: int) -> tuple[int, int, int, int]:
@@ -45,29 +46,54 @@ def _tiles(k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, n_group, s_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    # output group g (n_group rows; a program never straddles two) reads x's g-th K columns
+def rms_scale(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x[0:K]^2) + eps) of one row (fp32): the RMSNorm a one-row GEMV applies to x itself."""
+    rk = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xk = tl.load(x_ptr + k0 + rk, mask=(k0 + rk) < K, other=0.0).to(tl.float32)
+        ss += xk * xk
+    return tl.math.rsqrt(tl.sum(ss, 0) / K + eps)
+
+
+@triton.jit
+def rms_apply(x, inv, nw_ptr, kk, km, DT: tl.constexpr):
+    """x's elements kk (fp32) as RMSNorm_w(x) rounded to DT, as the separate norm stores them
+    (`reference.linear.rms_rows`), back in fp32."""
+    return (x * inv * tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    # output group g (n_group rows; a program never straddles two) reads x's g-th K columns.
+    # NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself
     pdl_enter(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     x_ptr += (n0 // n_group) * K
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     nm = rn < N
+    if NORM:
+        inv = rms_scale(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         km = (k0 + rk) < K
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0).to(tl.float32)
         x = tl.load(x_ptr + k0 + rk, mask=km, other=0.0).to(tl.float32)
+        if NORM:
+            x = rms_apply(x, inv, nw_ptr, k0 + rk, km, x_ptr.dtype.element_ty)
         acc += w * x[None, :]
     tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [1, G*K] (contiguous) @ weight [N, K]^T (rows contiguous, any row stride) -> [1, N] in x's
     dtype, fp32 accumulation: the stream kernel above. groups: as `reference.linear.linear` (each
-    group's N/G rows a multiple of the row block)."""
+    group's N/G rows a multiple of the row block); norm = (w [K], eps), one group: x is RMSNorm_w(x)
+    rounded to x's dtype first, in the kernel (no norm kernel before it)."""
     n, k = weight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = _tiles(k)
@@ -76,17 +102,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor
                          f"got x {list(x.shape)}")
     if groups > 1 and (n // groups) % bn:
         raise InputError(f"gemv: {n // groups} rows per group is not a multiple of the row block {bn}")
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, n // groups, weight.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+    nw, eps = _norm_args(norm, groups, k, x)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, nw, n, k, n // groups, weight.stride(0), eps, BLOCK_N=bn,
+                                        BLOCK_K=bk, NORM=norm is not None, num_warps=warps, num_stages=stages,
+                                        **pdl_launch(x.device))
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+def _norm_args(norm: tuple[torch.Tensor, float] | None, groups: int, k: int,
+               x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The kernel's (norm weight, eps) arguments; x stands in for the weight without a norm (never read)."""
+    if norm is None:
+        return x, 0.0
+    if groups != 1 or norm[0].shape != (k,) or not norm[0].is_contiguous():
+        raise InputError(f"a GEMV's norm takes one group and a contiguous [{k}] weight; got groups {groups}, "
+                         f"weight {list(norm[0].shape)}")
+    return norm[0], float(norm[1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1,
+           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear`. One row of x on CUDA (a batch-1 decode
-    step) runs `gemv` (grouped too: the o_a product); more rows, or the CPU, run the reference's
-    GEMM (cuBLAS is near the bandwidth limit once rows share each weight load)."""
+    step) runs `gemv` (grouped too: the o_a product; with the norm inside); more rows, or the CPU, run
+    the norm kernel and then the reference's GEMM (cuBLAS is near the bandwidth limit once rows share
+    each weight load)."""
     n, k = weight.shape
     if (x.shape[0] == 1 and x.is_cuda and weight.stride(-1) == 1 and x.is_contiguous()
             and (groups == 1 or (n // groups) % _tiles(k)[0] == 0)):
-        return gemv(x, weight, groups)
-    return torch_linear(x, weight, groups)
+        return gemv(x, weight, groups, norm)
+    return torch_linear(rms_rows(x, norm), weight, groups)
+
+
+def rms_rows(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """`reference.linear.rms_rows` by the norm_rope kernel: x itself without a norm."""
+    if norm is None:
+        return x
+    none = x.new_empty(x.shape[0], 0, dtype=torch.float32)
+    return norm_rope(x, norm[0], norm[1], none, none)
