@@ -5,8 +5,9 @@ reference ops it is the readable twin (tests compare it with the general prefill
 
 On CUDA the step runs on three streams (a CUDA graph captures them as parallel branches):
 
-    main   q_a norm -> q_b GEMM (+ the indexer's, one GEMM) -> [cos/sin ready] CSA indexer
-           queries -> [indexer keys written] CSA indexer scores + top-k; HCA: q norm/RoPE
+    main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
+           [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
+           top-k; HCA: q norm/RoPE
     table  cos/sin of the positions
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
            norm/RoPE inside the writes) -> [cos/sin ready] kv norm/RoPE -> window append; CSA:
@@ -148,8 +149,12 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     return o
 
 
-#: layer types whose q up-projection applies the q_a norm itself (inside a one-row GEMV: no norm kernel
-#: between the input projections and it). Measured placeholder, see benchmarks/NOTES.md.
+#: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row
+#: GEMV, so no norm kernel runs between the input projections and it; more rows run the norm kernel
+#: first as before). H100, 128K B = 1, BF16 / FP8 weights, µs (`benchmarks/qa_norm_sweep.sh`): CSA
+#: 137.2-137.7 / 103.2-103.7 -> 134.5-134.7 / 97.8-98.1; HCA 103.3-103.5 / 69.3-69.5 -> 104.0-104.1 /
+#: 72.5: there the FP8 GEMV's programs, launched early by programmatic dependent launch, take the SMs
+#: the side branch (rotary table, compressor, entry write, window) needs before the attention.
 QA_NORM_IN_GEMM = (AttentionType.CSA,)
 
 #: decode rows up to which an HCA layer's output projection weights are prefetched into the L2 while
