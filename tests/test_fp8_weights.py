@@ -186,22 +186,6 @@ def test_triton_linear_fp8_applies_the_rms_norm(t, n, k, dtype):
     assert (tri_linear_fp8(x, codes, scale).float() - want).abs().max() > 10 * step * mag.max()
 
 
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_triton_gemv_fp8_fewer_programs_than_tiles(programs):
-    """The one-row kernel with fewer programs than row tiles: each program loops over tiles pid, pid +
-    programs, ...; grouped and normalised too. Equal bit for bit to a program per tile; a call on
-    other x runs first and is freed, so a row left unwritten would hold its values (or garbage)."""
-    for n, k, groups, norm in ((200, 300, 1, None), (64, 96, 4, None), (130, 1024, 1, True)):
-        w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 1, n, device=DEVICE)[:, None]
-        codes, scale = quantize_blocks(w, "ue8m0")
-        x, other = torch.randn(2, 1, groups * k, device=DEVICE)
-        nm = (torch.rand(k, device=DEVICE) + 0.5, 1e-6) if norm else None
-        want = tri_linear_fp8(x, codes, scale, groups, norm=nm)            # a program per tile
-        tri_linear_fp8(other, codes, scale, groups, norm=nm, programs=programs)
-        got = tri_linear_fp8(x, codes, scale, groups, norm=nm, programs=programs)
-        assert torch.equal(got, want)
-
-
 def test_linear_fp8_rejects_bad_arguments():
     _, codes, scale = _weight(64, 128)
     x = torch.randn(2, 128)

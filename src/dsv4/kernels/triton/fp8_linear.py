@@ -55,32 +55,31 @@ _DESC_MIN_ROWS = 8
 
 
 @triton.jit
-def _gemv_first_step(w_ptr, s_ptr, N, K, s_wn, s_sn, tile, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A row tile's first K step of codes [J, 128, BLOCK_N] and its J scales."""
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    # a K step is J scale blocks of 128: tiles [J, 128, BLOCK_N], so the J scales load as one vector
+    # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale). Rows last: the
+    # 128 contiguous codes of a row spread over threads and J over the warp, so each thread holds
+    # every row of the program for its codes and converts and scales each x element once for all
+    # of them (rows first, the x slice was converted per row, after a shared-memory round trip).
+    # NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself
     J: tl.constexpr = BLOCK_K // 128
-    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    rj = tl.arange(0, J)
-    kk = rj[:, None] * 128 + tl.arange(0, 128)[None, :]                       # [J, 128]
-    w0 = tl.load(w_ptr + rn[None, None, :].to(tl.int64) * s_wn + kk[:, :, None],
-                 mask=(kk < K)[:, :, None] & (rn < N)[None, None, :], other=0.0)
-    sc0 = tl.load(s_ptr + (tile * BLOCK_N // 128) * s_sn + rj, mask=rj * 128 < K, other=0.0)
-    return w0, sc0
-
-
-@triton.jit
-def _gemv_tile(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, tile, w0, sc0, inv,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-    """y[tile's rows] from the tile's first K step (w0, sc0, loaded by the caller) and the rest."""
-    J: tl.constexpr = BLOCK_K // 128
-    n0 = tile * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     rj = tl.arange(0, J)
     nm = rn < N
     xg = x_ptr + (n0 // n_group) * K
     srow = s_ptr + (n0 // 128) * s_sn
     wrow = w_ptr + rn[None, None, :].to(tl.int64) * s_wn
+    # the first K step's codes and scales load before the wait (weights: no kernel of the step
+    # writes them), so they stream in while the kernel before this one ends
     kk = rj[:, None] * 128 + tl.arange(0, 128)[None, :]                       # [J, 128]
     km = kk < K
+    w0 = tl.load(wrow + kk[:, :, None], mask=km[:, :, None] & nm[None, None, :], other=0.0)
+    sc0 = tl.load(srow + rj, mask=rj * 128 < K, other=0.0)
+    pdl_enter(PDL)
+    if NORM:
+        inv = rms_scale(xg, K, eps, BLOCK_K)
     xs = tl.load(xg + kk, mask=km, other=0.0).to(tl.float32)
     if NORM:
         xs = rms_apply(xs, inv, nw_ptr, kk, km, x_ptr.dtype.element_ty)
@@ -95,34 +94,6 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, ti
             xs = rms_apply(xs, inv, nw_ptr, kk, km, x_ptr.dtype.element_ty)
         acc += w * (xs * sc[:, None])[:, :, None]
     tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty), mask=nm)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, eps, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    # a K step is J scale blocks of 128: tiles [J, 128, BLOCK_N], so the J scales load as one vector
-    # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale). Rows last: the
-    # 128 contiguous codes of a row spread over threads and J over the warp, so each thread holds
-    # every row of the program for its codes and converts and scales each x element once for all
-    # of them (rows first, the x slice was converted per row, after a shared-memory round trip).
-    # A program takes row tiles pid, pid + programs, ... (fewer programs than tiles: SMs keep room for
-    # other streams' kernels). NORM (one group): x is RMSNorm_nw(x) first, each program finding the
-    # row's scale itself
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    # the first K step's codes and scales load before the wait (weights: no kernel of the step
-    # writes them), so they stream in while the kernel before this one ends
-    w0, sc0 = _gemv_first_step(w_ptr, s_ptr, N, K, s_wn, s_sn, pid, BLOCK_N, BLOCK_K)
-    pdl_enter(PDL)
-    inv = 1.0
-    if NORM:
-        inv = rms_scale(x_ptr, K, eps, BLOCK_K)
-    _gemv_tile(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, pid, w0, sc0, inv, BLOCK_N, BLOCK_K,
-               NORM)
-    for tile in range(pid + step, tl.cdiv(N, BLOCK_N), step):
-        w0, sc0 = _gemv_first_step(w_ptr, s_ptr, N, K, s_wn, s_sn, tile, BLOCK_N, BLOCK_K)
-        _gemv_tile(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, tile, w0, sc0, inv, BLOCK_N,
-                   BLOCK_K, NORM)
 
 
 # two e4m3 codes (one 16-bit register) -> a bf16x2, exact: e4m3 -> f16 pair, f16 -> f32 (HADD2.F32 on
@@ -274,23 +245,17 @@ def _check(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: in
         raise InputError(f"each of the {groups} output groups needs a multiple of 16 rows, got {n // groups}")
 
 
-#: one-row GEMV programs per SM, each looping over row tiles (0: a program per tile)
-GEMV_PROGRAMS_PER_SM = 0
-
-
 def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups: int = 1,
                norm: tuple[torch.Tensor, float] | None = None, tiles: tuple[int, int, int, int] | None = None,
-               asm: bool = True, splits: int | None = None, desc: bool | None = None,
-               programs: int | None = None) -> torch.Tensor:
+               asm: bool = True, splits: int | None = None, desc: bool | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear_fp8`; the module doc gives the kernel by
     the number of rows. tiles: the launch's tiles instead of `_gemv_tiles` / `_gemm_tiles` (for
     benchmarks/tune_fp8.py): (BLOCK_N, BLOCK_K, warps, stages) for one row, else (BLOCK_M, BLOCK_N,
     warps, stages) with BLOCK_M >= the rows; asm=False: Triton's own e4m3 -> bf16 conversion instead
     of `_E4M3X2_TO_BF16`; splits: the GEMM's K splits instead of `_k_splits`'; desc: the GEMM's
     descriptor form wherever it fits (True) or its pointer form (False) instead of by the rows
-    (`_DESC_MIN_ROWS`; tuning, tests); programs: the one-row kernel's program count instead of
-    `GEMV_PROGRAMS_PER_SM`'s (each loops over row tiles; tests). norm: inside the one-row kernel; more
-    rows run the norm kernel first."""
+    (`_DESC_MIN_ROWS`; tuning, tests). norm: inside the one-row kernel; more rows run the norm kernel
+    first."""
     _check(x, codes, scale, groups)
     t = x.shape[0]
     if norm is not None and t != 1:
@@ -314,10 +279,7 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         bn, bk, warps, stages = tiles or _gemv_tiles(n, k)
         bn = _block_n(n_group, groups, bn)
         nw, eps = _norm_args(norm, groups, k, x)
-        grid = triton.cdiv(n, bn)
-        if programs or (GEMV_PROGRAMS_PER_SM and x.is_cuda):
-            grid = min(grid, programs or GEMV_PROGRAMS_PER_SM * sm_count(x.device))
-        _gemv_kernel[(grid,)](x, codes, scale, y, nw, n, k, n_group, codes.stride(0), scale.stride(0),
+        _gemv_kernel[(triton.cdiv(n, bn),)](x, codes, scale, y, nw, n, k, n_group, codes.stride(0), scale.stride(0),
                                             eps, BLOCK_N=bn, BLOCK_K=bk, NORM=norm is not None, num_warps=warps,
                                             num_stages=stages, **launch)
         return y
