@@ -193,10 +193,6 @@ def main() -> int:
                 es.enter_context(captured(dcm, "_combine_kernel"))         # launched after it: intercepted too
                 report(f"attention wide {kind}", dw, "_wide_kernel",
                        lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"))
-                rope = (torch.randn(2, 32), torch.randn(2, 32))
-                report(f"attention wide {kind} merged in the kernel", dw, "_wide_kernel",
-                       lambda aargs=aargs, rope=rope: att.decode_attention(*aargs, scheme="wide", num_splits=2,
-                                                                           rope=rope, out_dtype=torch.bfloat16))
             if "attention" not in which:
                 continue
             for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),

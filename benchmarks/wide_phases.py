@@ -45,7 +45,7 @@ def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int
     kernel = timer.time(lambda: real(*a, **kw), graph=True)
     empty = a[:4] + (0,) + a[5:8] + (0,) + a[9:]
     fixed = timer.time(lambda: real(*empty, **kw), graph=True)
-    part, pml = seen["out"][:2]
+    part, pml = seen["out"]
     comb = timer.time(lambda: dcm.combine(part, pml, sinks, None, None, 512, 8, True), graph=True)
     return op.us, kernel.us, fixed.us, comb.us
 

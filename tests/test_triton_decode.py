@@ -660,44 +660,6 @@ def test_attention_wide(layer):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
-def test_attention_wide_merged_in_kernel(layer, monkeypatch):
-    """At most FUSE_MAX_SPLITS key splits the wide kernel merges a request's splits itself (its last
-    split to finish, through a per-request counter): the sink, the inverse RoPE and the output dtype,
-    as the combine. Against the reference, against the combine at the same splits (FUSE_MAX_SPLITS
-    0), launched twice in a row (the counters reset), and replayed in a CUDA graph after the metadata
-    and the queries change in place."""
-    if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
-            and att.dw.GLUON_OK):
-        pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
-    lens = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 4097, 20000)
-    args = list(attention_args("real", "fp8_ds", layer, 64, lens, topk=512))
-    ang = torch.rand(len(lens), 32, device=DEVICE) * 6.3
-    rope = (ang.cos(), ang.sin())
-    want = ref.decode_attention(*args, rope=rope)
-    for splits in (1, 2):
-        kw = dict(scheme="wide", num_splits=splits, rope=rope)
-        got = tri.decode_attention(*args, **kw)
-        close(got, want, TOL["fp16"])
-        assert torch.equal(tri.decode_attention(*args, **kw), got)          # the counters were reset
-        with monkeypatch.context() as m:
-            m.setattr(att.dw, "FUSE_MAX_SPLITS", 0)
-            close(tri.decode_attention(*args, **kw), got, 1e-6)             # the combine: the same sums
-        bf = tri.decode_attention(*args, **kw, out_dtype=torch.bfloat16)
-        assert bf.dtype == torch.bfloat16 and torch.equal(bf, got.bfloat16())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tri.decode_attention(*args, scheme="wide", num_splits=2, rope=rope)
-    for shrink in (0, 1, 3):
-        args[5].sub_(shrink)                            # positions
-        if layer == HCA:
-            args[11].copy_((args[5] + 1) // 128)        # num_entries
-        args[0].normal_()
-        graph.replay()
-        close(out, ref.decode_attention(*args, rope=rope), TOL["fp16"])
-
-
-@pytest.mark.gpu
 def test_attention_wide_one_long_request():
     """One request with 4,097 HCA entries over the default splits, and bf16 queries."""
     if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None

@@ -278,10 +278,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         # at 16 / 33 splits: 52.4 / 37.7; the rule on 64-key tiles gave 16)
         tiles32 = triton.cdiv(ring, 32) + triton.cdiv(n_comp, 32)
         splits = max(1, min(num_splits or dh.default_splits(sm_count(q.device), bsz, tiles32, n_comp), tiles))
-        part, pml, out = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp,
-                                       scale * LOG2E, dim=dim, nope=nope, mode=mode, splits=splits, sinks=sinks,
-                                       rope=rope, out_dtype=out_dtype)
-        return out if out is not None else combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
+        part, pml = dw.value_wide(q, keys, meta, strides, ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+                                  dim=dim, nope=nope, mode=mode, splits=splits)
+        return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
     if scheme == "halves":
         if prec != 1 or nch % 2:
             raise InputError(f"the halves scheme takes bf16 operands and an even number of 64-channel chunks; "

@@ -226,99 +226,8 @@ def _store_part(part_ptr, acc, l_i, stage, b, split, s_pb, s_ps, s_ph, D0: gl.co
 
 
 @gluon.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu: this thread's stores before its later operations, for every thread of the GPU."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _arrive_last(cnt_ptr, b, n_split, flag_s):
-    """Counts this program in on request b's counter (one atomic, lane 0; the program's partial stores
-    fenced before it) and leaves in flag_s whether it was the request's last split; the last resets
-    the counter for the next launch."""
-    LT: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    lane = gl.arange(0, 128, layout=LT)
-    one = lane == 0
-    ptr = cnt_ptr + b + lane * 0
-    old = gl.atomic_add(ptr, gl.full([128], 1, gl.int32, LT), mask=one, sem="acq_rel", scope="gpu")
-    last = gl.where(one, old, 0) == n_split - 1
-    gl.store(ptr, gl.zeros([128], gl.int32, LT), mask=one & last)
-    flag_s.store(last.to(gl.int32))
-
-
-@gluon.jit
-def _is_last(flag_s):
-    """The flag `_arrive_last` left: 1 for the request's last split (every thread)."""
-    LT: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.max(flag_s.load(LT), axis=0)
-
-
-@gluon.jit
-def _merge_stats(pml_ptr, sinks_ptr, b, n_split, H: gl.constexpr, LH: gl.constexpr):
-    """Request b's final max M = max(m_s, sink) and denominator sum_s l_s 2^(m_s - M) + 2^(sink - M)
-    over its n_split partials' stats (the combine's `split_stats`), per head in layout LH. Loads bypass
-    L1: other programs wrote them."""
-    hs = gl.arange(0, H, layout=LH)
-    sink = gl.load(sinks_ptr + hs).to(gl.float32) * 1.4426950408889634
-    big = sink
-    for si in range(0, n_split):
-        big = gl.maximum(big, gl.load(pml_ptr + ((b * n_split + si) * H + hs) * 2, cache_modifier=".cg"))
-    den = gl.exp2(sink - big)
-    for si in range(0, n_split):
-        ml = pml_ptr + ((b * n_split + si) * H + hs) * 2
-        den += gl.exp2(gl.load(ml, cache_modifier=".cg") - big) * gl.load(ml + 1, cache_modifier=".cg")
-    return big, den
-
-
-@gluon.jit
-def _merge_cols(part_ptr, pml_ptr, sinks_ptr, b, n_split, s_pb, s_ps, s_ph, cols, H: gl.constexpr, L: gl.constexpr):
-    """Request b's output columns `cols` (SliceLayout(0, L)) over its n_split normalised partials:
-    sum_s l_s 2^(m_s - M) part_s / den (`_merge_stats`; the combine's sum, `decode_combine`)."""
-    LH: gl.constexpr = gl.SliceLayout(1, L)
-    hs = gl.arange(0, H, layout=LH)
-    big, den = _merge_stats(pml_ptr, sinks_ptr, b, n_split, H, LH)
-    acc = gl.zeros([H, cols.shape[0]], gl.float32, layout=L)
-    for si in range(0, n_split):
-        ml = pml_ptr + ((b * n_split + si) * H + hs) * 2
-        wgt = gl.exp2(gl.load(ml, cache_modifier=".cg") - big) * gl.load(ml + 1, cache_modifier=".cg")
-        part = gl.load(part_ptr + b * s_pb + si * s_ps + gl.expand_dims(hs, 1) * s_ph + gl.expand_dims(cols, 0),
-                       cache_modifier=".cg")
-        acc += gl.expand_dims(wgt, 1) * part.to(gl.float32)
-    return acc / gl.expand_dims(den, 1)
-
-
-@gluon.jit
-def _merge_half(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, b, n_split, s_pb, s_ps, s_ph, s_ob, s_oh,
-                H: gl.constexpr, D: gl.constexpr, D0: gl.constexpr, HALF_R: gl.constexpr):
-    """The last split's merge of channels D0 .. D0 + D/2 of request b's output (`_merge_cols`), 64 at a
-    time, then the inverse rotation RoPE_{-t} of the trailing 2 HALF_R channels among them (interleaved
-    pairs (e, o) -> (e cos + o sin, o cos - e sin), as `decode_common.inverse_rope`), stored in out's
-    dtype."""
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    hs = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, L)), 1)
-    R0: gl.constexpr = D - 2 * HALF_R                      # the first rotated channel (a multiple of 64)
-    for c0 in gl.static_range(D0, D0 + D // 2, 64):
-        if c0 + 64 <= R0:
-            cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L)) + c0
-            o = _merge_cols(part_ptr, pml_ptr, sinks_ptr, b, n_split, s_pb, s_ps, s_ph, cols, H, L)
-            gl.store(out_ptr + b * s_ob + hs * s_oh + gl.expand_dims(cols, 0), o.to(out_ptr.dtype.element_ty))
-    if HALF_R > 0 and D0 + D // 2 > R0:
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
-        j = gl.arange(0, HALF_R, layout=gl.SliceLayout(0, RL))
-        hr = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, RL)), 1)
-        ev = _merge_cols(part_ptr, pml_ptr, sinks_ptr, b, n_split, s_pb, s_ps, s_ph, R0 + 2 * j, H, RL)
-        od = _merge_cols(part_ptr, pml_ptr, sinks_ptr, b, n_split, s_pb, s_ps, s_ph, R0 + 2 * j + 1, H, RL)
-        cs = gl.expand_dims(gl.load(cos_ptr + b * HALF_R + j), 0)
-        sn = gl.expand_dims(gl.load(sin_ptr + b * HALF_R + j), 0)
-        ro = out_ptr + b * s_ob + hr * s_oh + R0 + 2 * gl.expand_dims(j, 0)
-        gl.store(ro, (ev * cs + od * sn).to(out_ptr.dtype.element_ty))
-        gl.store(ro + 1, (od * cs - ev * sn).to(out_ptr.dtype.element_ty))
-
-
-@gluon.jit
 def _values(q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph, b, split,
-            mine, pml_ptr, n_split, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_ob, s_oh, stored, go, flag_s,
-            D: gl.constexpr, H: gl.constexpr, HALF_R: gl.constexpr, FUSE: gl.constexpr):
+            mine, D: gl.constexpr, H: gl.constexpr):
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
     for it in range(0, mine):
@@ -335,22 +244,11 @@ def _values(q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, 
     mbarrier.wait(l_ready.index(0), 0)              # the scores warpgroup's softmax sums, its MMAs done
     _store_part(part_ptr, acc, l_s.load(gl.SliceLayout(1, O_L)), q_s.slice(D // 2, D // 2, dim=1), b, split,
                 s_pb, s_ps, s_ph, D // 2, O_L)
-    if FUSE:
-        _fence_gpu()                                # this half's partial before the count ...
-        _barrier()
-        mbarrier.arrive(stored.index(0), count=1)   # ... which the scores warpgroup makes
-        mbarrier.wait(go.index(0), 0)
-        if _is_last(flag_s) != 0:
-            _fence_gpu()
-            _merge_half(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, b, n_split, s_pb, s_ps, s_ph, s_ob,
-                        s_oh, H, D, D // 2, HALF_R)
 
 
 @gluon.jit
 def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr,
-            pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, cnt_ptr, sinks_ptr, cos_ptr, sin_ptr,
-            out_ptr, s_ob, s_oh, stored, go, flag_s, D: gl.constexpr, H: gl.constexpr, HALF_R: gl.constexpr,
-            FUSE: gl.constexpr):
+            pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D: gl.constexpr, H: gl.constexpr):
     # q into shared memory as fp16, half the channels at a time, while the loader fetches the first tile
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
@@ -402,22 +300,11 @@ def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free,
     ml = pml_ptr + ((b * n_split + split) * H + hs) * 2
     gl.store(ml, m_i)
     gl.store(ml + 1, l_i)
-    if FUSE:
-        _fence_gpu()                                # this half's partial and the stats before the count
-        _barrier()
-        mbarrier.wait(stored.index(0), 0)           # the values warpgroup's half too
-        _arrive_last(cnt_ptr, b, n_split, flag_s)
-        _barrier()
-        mbarrier.arrive(go.index(0), count=1)
-        if _is_last(flag_s) != 0:
-            _fence_gpu()
-            _merge_half(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, b, n_split, s_pb, s_ps, s_ph, s_ob,
-                        s_oh, H, D, 0, HALF_R)
 
 
 @gluon.jit
 def _wide_kernel(
-        q_ptr, part_ptr, pml_ptr, out_ptr, cnt_ptr, sinks_ptr, cos_ptr, sin_ptr, s_ob, s_oh,
+        q_ptr, part_ptr, pml_ptr,
         wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
         ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr, nent_ptr,
         s_qb, s_qh, s_pb, s_ps, s_ph,
@@ -425,7 +312,7 @@ def _wide_kernel(
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
         ring, window, epb, max_blocks, n_comp, qk_scale, ring_kv, ring_rope, ring_sc,
         H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, VALUE_REGS: gl.constexpr,
-        LOADER_REGS: gl.constexpr, HALF_R: gl.constexpr, FUSE: gl.constexpr, PDL: gl.constexpr):
+        LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
     """Program (b, 0, split) -> part[b, split, :, :] (acc / l [H, D] fp16), pml[b, split, :, :] (m, l).
     PDL: launched while the kernel before it runs; waits for it here, then lets the combine launch
     (as `decode_common.pdl_enter`). H200, 128K, layers: B = 64 CSA 242.3-242.9 -> 239.3-240.1 µs, HCA
@@ -451,12 +338,7 @@ def _wide_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    stored = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    flag_s = gl.allocate_shared_memory(gl.int32, [128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.init(l_ready.index(0), count=1)
-    mbarrier.init(stored.index(0), count=1)
-    mbarrier.init(go.index(0), count=1)
     for i in gl.static_range(2):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=2)
@@ -476,11 +358,9 @@ def _wide_kernel(
     mine = gl.cdiv(gl.maximum(n_tiles - split, 0), n_split)
     gl.warp_specialize([
         (_scores, (q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free, p_ready, p_free, l_ready,
-                   part_ptr, pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, cnt_ptr, sinks_ptr, cos_ptr,
-                   sin_ptr, out_ptr, s_ob, s_oh, stored, go, flag_s, D, H, HALF_R, FUSE)),
+                   part_ptr, pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
         (_values, (q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph,
-                   b, split, mine, pml_ptr, n_split, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_ob, s_oh, stored, go,
-                   flag_s, D, H, HALF_R, FUSE)),
+                   b, split, mine, D, H)),
         (_loader, (k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
                    s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp,
                    s_csr, ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
@@ -508,53 +388,21 @@ def supported(q: torch.Tensor, keys: tuple, dim: int, nope: int, fmt_name: str) 
                for t in rows)
 
 
-#: the wide kernel merges a request's key splits itself (its last split to finish, through a counter)
-#: up to this many splits; past it the combine kernel does (the last split would read them all alone)
-FUSE_MAX_SPLITS = 2
-_counters: dict[str, torch.Tensor] = {}
-
-
-def _request_counters(device: torch.device, rows: int) -> torch.Tensor | None:
-    """Zeroed int32 counters, one a request, kept per device: each launch's last split sets its
-    request's back to 0, so they are zero between launches (launches of one device's wide kernel must
-    not overlap: one stream). None while a CUDA graph is being captured and the counters are too few
-    (a zeroing allocation there would live in the graph's pool)."""
-    key = str(device) if device.index is not None or device.type != "cuda" else f"cuda:{torch.cuda.current_device()}"
-    have = _counters.get(key)
-    if have is None or have.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[key] = have = torch.zeros(max(1024, triton.next_power_of_2(rows)), dtype=torch.int32, device=device)
-    return have
-
-
 def value_wide(q: torch.Tensor, keys: tuple, meta: tuple, strides: tuple, ring: int, window: int, epb: int,
                max_blocks: int, n_comp: int, qk_scale: float, *, dim: int, nope: int, mode: int,
-               splits: int, sinks: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the wide kernel; returns (part [B, S, H, D] fp16, normalised: acc / l, pml [B, S, H, 2], out).
-    With sinks given and at most FUSE_MAX_SPLITS splits the kernel also merges the splits (the sink,
-    the inverse RoPE of rope = (cos, sin), out_dtype, as `decode_combine.combine`) into out [B, H, D];
-    else out is None and the caller runs the combine.
+               splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the wide kernel; returns (part [B, S, H, D] fp16, normalised: acc / l, pml [B, S, H, 2]) for
+    the split combine.
     keys, meta, strides as `decode_attention_halves.value_halves`; q [B, H, D] fp32 or bf16."""
     bsz, heads, _ = q.shape
     part = torch.empty(bsz, splits, heads, dim, dtype=torch.float16, device=q.device)
     pml = torch.empty(bsz, splits, heads, 2, dtype=torch.float32, device=q.device)
-    cnt = _request_counters(q.device, bsz) if sinks is not None and splits <= FUSE_MAX_SPLITS else None
-    out = None
-    if cnt is not None:
-        out = torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
-    cos, sin = (t.float().contiguous() for t in rope) if rope is not None else (pml, pml)
     wkv, wrope, wsc, ckv, crope, csc = keys
     _wide_kernel[(bsz, 1, splits)](
-        q, part, pml, out if out is not None else part, cnt if cnt is not None else pml,
-        sinks if sinks is not None else pml, cos, sin,
-        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
-        wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
+        q, part, pml, wkv, wrope, wsc, *meta[:3], ckv, crope, csc, *meta[3:],
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), *strides,
         ring, window, epb, max_blocks, n_comp, qk_scale,
         *(_elements_between(w, c) for w, c in ((wkv, ckv), (wrope, crope), (wsc, csc))),
-        H=heads, D=dim, NOPE=nope, MODE=mode, VALUE_REGS=REGS[0], LOADER_REGS=REGS[1],
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, FUSE=out is not None, num_warps=4,
+        H=heads, D=dim, NOPE=nope, MODE=mode, VALUE_REGS=REGS[0], LOADER_REGS=REGS[1], num_warps=4,
         maxnreg=MAXNREG, **pdl_launch(q.device))
-    return part, pml, out
+    return part, pml
