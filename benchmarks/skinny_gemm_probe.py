@@ -80,7 +80,7 @@ def main() -> int:
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
         want = cublas(x, w, groups).float()
         mb = n * k * 2 / 1e6
-        t = timer.time(lambda: cublas(x, w, groups), graph=True)
+        t = timer.time(lambda x=x, w=w, g=groups: cublas(x, w, g), graph=True)
         print(f"{name:12} rows {args.rows} {mb:6.1f} MB  cuBLAS {t.us:6.1f} µs {mb / t.us:5.2f} TB/s", flush=True)
         best = None
         for bn in (64, 128):
@@ -101,8 +101,8 @@ def main() -> int:
                         if err > 2e-2:
                             print(f"  bn {bn} bk {bk} stages {stages} splits {splits}: WRONG {err:.3g}")
                             continue
-                        tt = timer.time(lambda bn=bn, bk=bk, st=stages, sp=splits: skinny(x, w, groups, bn, bk, st,
-                                                                                          4, sp), graph=True)
+                        tt = timer.time(lambda x=x, w=w, g=groups, bn=bn, bk=bk, st=stages, sp=splits:
+                                        skinny(x, w, g, bn, bk, st, 4, sp), graph=True)
                         if best is None or tt.us < best[0]:
                             best = (tt.us, bn, bk, stages, splits)
                         print(f"  bn {bn:3} bk {bk:3} stages {stages} splits {splits}: {tt.us:6.1f} µs "
