@@ -12,6 +12,7 @@ programs, summed by fp32 atomics into a zeroed buffer), and reads each weight by
 from __future__ import annotations
 
 import argparse
+import itertools
 import types
 
 import torch
@@ -68,7 +69,14 @@ def cublas(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--bn", default="64,128")
+    ap.add_argument("--bk", default="64,128")
+    ap.add_argument("--stages", default="3,4,6")
+    ap.add_argument("--splits", default="1,2,4")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--quiet", action="store_true", help="print only each shape's best")
     args = ap.parse_args()
+    ints = lambda v: [int(t) for t in v.split(",")]          # noqa: E731
     timer = Timer(types.SimpleNamespace(device=torch.device("cuda"), warmup_ms=10, rep_ms=50, host_warmup=3,
                                         host_reps=15, graph=True))
     # (name, N, K, groups): V4-Flash HCA / CSA q_b (+ the indexer's), o_a (8 groups), W_ob, input projections
@@ -83,33 +91,28 @@ def main() -> int:
         t = timer.time(lambda x=x, w=w, g=groups: cublas(x, w, g), graph=True)
         print(f"{name:12} rows {args.rows} {mb:6.1f} MB  cuBLAS {t.us:6.1f} µs {mb / t.us:5.2f} TB/s", flush=True)
         best = None
-        for bn in (64, 128):
-            for bk in (64, 128):
-                for stages in (3, 4, 6):
-                    for splits in (1, 2, 4):
-                        tiles = triton.cdiv(n, bn)
-                        if splits > 1 and tiles * (splits // 2) >= 2 * sms:
-                            continue
-                        if (n // groups) % bn or (k // splits) % bk:
-                            continue
-                        try:
-                            got = skinny(x, w, groups, bn, bk, stages, 4, splits).float()
-                        except Exception as e:      # out of shared memory and the like: not a candidate
-                            print(f"  bn {bn} bk {bk} stages {stages} splits {splits}: {type(e).__name__}")
-                            continue
-                        err = ((got - want).abs().max() / want.abs().max()).item()
-                        if err > 2e-2:
-                            print(f"  bn {bn} bk {bk} stages {stages} splits {splits}: WRONG {err:.3g}")
-                            continue
-                        tt = timer.time(lambda x=x, w=w, g=groups, bn=bn, bk=bk, st=stages, sp=splits:
-                                        skinny(x, w, g, bn, bk, st, 4, sp), graph=True)
-                        if best is None or tt.us < best[0]:
-                            best = (tt.us, bn, bk, stages, splits)
-                        print(f"  bn {bn:3} bk {bk:3} stages {stages} splits {splits}: {tt.us:6.1f} µs "
-                              f"{mb / tt.us:5.2f} TB/s", flush=True)
+        for bn, bk, stages, splits, warps in itertools.product(ints(args.bn), ints(args.bk), ints(args.stages),
+                                                               ints(args.splits), ints(args.warps)):
+            if (splits > 1 and triton.cdiv(n, bn) * (splits // 2) >= 2 * sms) or (n // groups) % bn or (k // splits) % bk:
+                continue
+            try:
+                got = skinny(x, w, groups, bn, bk, stages, warps, splits).float()
+            except Exception:      # out of shared memory and the like: not a candidate
+                continue
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            if err > 2e-2:
+                print(f"  bn {bn} bk {bk} stages {stages} splits {splits} warps {warps}: WRONG {err:.3g}")
+                continue
+            tt = timer.time(lambda x=x, w=w, g=groups, bn=bn, bk=bk, st=stages, sp=splits, wp=warps:
+                            skinny(x, w, g, bn, bk, st, wp, sp), graph=True)
+            if best is None or tt.us < best[0]:
+                best = (tt.us, bn, bk, stages, splits, warps)
+            if not args.quiet:
+                print(f"  bn {bn:3} bk {bk:3} stages {stages} splits {splits} warps {warps}: {tt.us:6.1f} µs "
+                      f"{mb / tt.us:5.2f} TB/s", flush=True)
         if best:
-            print(f"  best {best[0]:.1f} µs (bn {best[1]} bk {best[2]} stages {best[3]} splits {best[4]}) "
-                  f"vs cuBLAS {t.us:.1f}", flush=True)
+            print(f"  best {best[0]:.1f} µs (bn {best[1]} bk {best[2]} stages {best[3]} splits {best[4]} "
+                  f"warps {best[5]}) vs cuBLAS {t.us:.1f}", flush=True)
     return 0
 
 
