@@ -93,7 +93,8 @@ def main() -> int:
         best = None
         for bn, bk, stages, splits, warps in itertools.product(ints(args.bn), ints(args.bk), ints(args.stages),
                                                                ints(args.splits), ints(args.warps)):
-            if (splits > 1 and triton.cdiv(n, bn) * (splits // 2) >= 2 * sms) or (n // groups) % bn or (k // splits) % bk:
+            many = splits > 1 and triton.cdiv(n, bn) * (splits // 2) >= 2 * sms      # enough programs without
+            if many or (n // groups) % bn or (k // splits) % bk:
                 continue
             try:
                 got = skinny(x, w, groups, bn, bk, stages, warps, splits).float()
