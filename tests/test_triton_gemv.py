@@ -15,7 +15,7 @@ import torch
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear as ref_linear
 from dsv4.kernels.reference.linear import rms_rows
-from dsv4.kernels.triton import gemv
+from dsv4.kernels.triton import gemv, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -87,6 +87,32 @@ def test_gemv_applies_the_rms_norm(n, k, dtype):
         gemv.gemv(torch.randn(1, 2 * k).to(DEVICE, dtype), torch.randn(32, k).to(DEVICE, dtype), 2, norm=norm)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("n,k,groups", [(192, 256, 1), (100, 200, 1), (128, 256, 2)])
+def test_skinny_gemm_matches_reference(rows, n, k, groups):
+    """The decode-batch GEMM (weights on the MMA's M side, tensor descriptors) against the float64
+    product: rows padded up to the MMA's 16-64, N and K off the tiles where one group allows it (the
+    descriptors read zeros past them), two groups reading their own x columns; output in bf16."""
+    g = torch.Generator().manual_seed(rows * 31 + n + k)
+    x = torch.randn(rows, groups * k, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
+    fits = skinny_gemm.fits(x, w, groups)
+    assert fits == (n // groups % skinny_gemm.BLOCK_N == 0)
+    if not fits:
+        return
+    got = skinny_gemm.skinny_gemm(x, w, groups)
+    want = torch.bmm(x.double().view(rows, groups, k).transpose(0, 1),
+                     w.double().view(groups, n // groups, k).transpose(1, 2)).transpose(0, 1).reshape(rows, n)
+    mag = torch.bmm(x.double().abs().view(rows, groups, k).transpose(0, 1),
+                    w.double().abs().view(groups, n // groups, k).transpose(1, 2)).transpose(0, 1).reshape(rows, n)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    # bf16 output: one rounding step (the interpreter's cast truncates)
+    excess = (got.double() - want).abs() - (1e-5 * mag + 2 ** -7 * want.abs())
+    assert excess.max() <= 0, excess.max()
+    assert not skinny_gemm.fits(x.float(), w.float(), groups)              # fp32: the reference's GEMM
+    assert not skinny_gemm.fits(torch.cat([x] * 40), w, groups)            # 80 rows: cuBLAS
+
+
 @pytest.mark.gpu
 def test_gemv_grouped_v4_o_a():
     """The o_a product at V4-Flash shapes (8 groups of 1,024 rows, K 4,096) through `linear`."""
@@ -106,4 +132,7 @@ def test_gemv_v4_shapes_and_dispatch(n, k):
     _check(x, w)
     assert torch.equal(gemv.linear(x, w), gemv.gemv(x, w))              # one row: the kernel
     x2 = torch.randn(2, k, device="cuda").bfloat16()
-    assert torch.equal(gemv.linear(x2, w), ref_linear(x2, w))           # two rows: the GEMM
+    assert torch.equal(gemv.linear(x2, w), skinny_gemm.skinny_gemm(x2, w))    # two rows: the batch GEMM
+    torch.testing.assert_close(gemv.linear(x2, w).float(), ref_linear(x2, w).float(), rtol=2 ** -7, atol=1e-2)
+    x80 = torch.randn(80, k, device="cuda").bfloat16()
+    assert torch.equal(gemv.linear(x80, w), ref_linear(x80, w))         # more than 64 rows: cuBLAS
