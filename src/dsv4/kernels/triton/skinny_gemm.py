@@ -1,4 +1,4 @@
-"""Triton twin of `reference.linear.linear` for a decode batch of 2-64 rows with bf16 / fp16 weights:
+"""Triton twin of `reference.linear.linear` for a decode batch of 2-16 rows with bf16 / fp16 weights:
 y = x W^T, each weight byte read once.
 
 The weights go on the MMA's M side: a program takes BLOCK_N rows of W (a tensor-descriptor tile
@@ -10,7 +10,10 @@ H100, 64 rows, CUDA-graph replays with the L2 flushed (`benchmarks/skinny_gemm_p
 kernel / cuBLAS: HCA q_b (67 MB) 27.2 / 28.4, CSA q_b + the indexer's 33.6 / 34.7, o_a 28.2 / 32.3,
 W_ob 27.8 / 30.6 (cuBLAS splits K there and reduces in a second kernel); 16 rows 26.3 / 27.6,
 31.5 / 33.8, 26.8 / 30.9, 27.2 / 29.6. BLOCK_N 64 and BLOCK_K 128 were best at both (32, 128 and 256
-rows, 8 warps and 2 K splits measured too).
+rows, 8 warps and 2 K splits measured too). In the layer (H100, 128K, BF16 weights, two rounds on one
+machine, `benchmarks/ab_run.sh`): B = 16 CSA 185.7-186.5 -> 180.3-181.1 µs, HCA 127.5-127.8 ->
+125.2-125.6; but B = 64 CSA 268.0-269.8 -> 266.8-270.1, HCA 153.2-153.7 -> 155.4-156.0 (also without
+programmatic dependent launch: 155.8-156.7). So up to 16 rows (MAX_ROWS); 17-32 rows were not measured.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
-#: rows of x this kernel takes (more: cuBLAS, whose tiles then share each weight load across the batch)
-MAX_ROWS = 64
+#: rows of x this kernel takes (more: cuBLAS; at 64 rows the kernel was faster alone, slower in the layer)
+MAX_ROWS = 16
 BLOCK_N, BLOCK_K, STAGES, WARPS = 64, 128, 4, 4
 
 
@@ -49,7 +52,7 @@ def _skinny_kernel(x_desc, w_desc, y_ptr, M, N, K, n_group, s_ym, BLOCK_M: tl.co
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
-    """Whether the kernel takes x [T, G*K] @ weight [N, K]^T: 2-64 rows, bf16 / fp16 x and weight of one
+    """Whether the kernel takes x [T, G*K] @ weight [N, K]^T: 2-MAX_ROWS rows, bf16 / fp16 x and weight of one
     dtype, 16-byte aligned bases and row strides (tensor descriptors), each group's rows a multiple of
     BLOCK_N and, grouped, K a multiple of BLOCK_K (a K step never reads the next group's columns)."""
     t, (n, k) = x.shape[0], weight.shape
