@@ -2,7 +2,7 @@
 y = x W^T, each weight byte read once.
 
 The weights go on the MMA's M side: a program takes BLOCK_N rows of W (a tensor-descriptor tile
-[BLOCK_N, BLOCK_K]) against x^T [BLOCK_K, rows] and walks K; the batch is the MMA's N (16-64). No
+[BLOCK_N, BLOCK_K]) against x^T [BLOCK_K, rows] and walks K; the batch is the MMA's N (16). No
 split-K: the V4-Flash projections have N / 64 >= 40 row tiles. Output group g (N/G rows, a
 multiple of BLOCK_N) reads x's g-th K columns (the grouped o_a projection).
 
