@@ -87,17 +87,17 @@ def test_gemv_applies_the_rms_norm(n, k, dtype):
         gemv.gemv(torch.randn(1, 2 * k).to(DEVICE, dtype), torch.randn(32, k).to(DEVICE, dtype), 2, norm=norm)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 15, 16])
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 32])
 @pytest.mark.parametrize("n,k,groups", [(192, 256, 1), (100, 200, 1), (128, 256, 2)])
 def test_skinny_gemm_matches_reference(rows, n, k, groups):
     """The decode-batch GEMM (weights on the MMA's M side, tensor descriptors) against the float64
-    product: rows padded up to the MMA's 16, N and K off the tiles where one group allows it (the
+    product: rows padded up to the MMA's 16 or 32, N and K off the tiles where one group allows it (the
     descriptors read zeros past them), two groups reading their own x columns; output in bf16."""
     g = torch.Generator().manual_seed(rows * 31 + n + k)
     x = torch.randn(rows, groups * k, generator=g).to(DEVICE, torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
     fits = skinny_gemm.fits(x, w, groups)
-    assert not skinny_gemm.fits(torch.cat([x] * 9), w, groups)             # more than 16 rows: cuBLAS
+    assert not skinny_gemm.fits(torch.cat([x] * 17), w, groups)            # more than 32 rows: cuBLAS
     assert fits == (n // groups % skinny_gemm.BLOCK_N == 0)
     if not fits:
         return
@@ -134,5 +134,5 @@ def test_gemv_v4_shapes_and_dispatch(n, k):
     x2 = torch.randn(2, k, device="cuda").bfloat16()
     assert torch.equal(gemv.linear(x2, w), skinny_gemm.skinny_gemm(x2, w))    # two rows: the batch GEMM
     torch.testing.assert_close(gemv.linear(x2, w).float(), ref_linear(x2, w).float(), rtol=2 ** -7, atol=1e-2)
-    x17 = torch.randn(17, k, device="cuda").bfloat16()
-    assert torch.equal(gemv.linear(x17, w), ref_linear(x17, w))         # more than 16 rows: cuBLAS
+    x33 = torch.randn(33, k, device="cuda").bfloat16()
+    assert torch.equal(gemv.linear(x33, w), ref_linear(x33, w))         # more than 32 rows: cuBLAS

@@ -124,7 +124,7 @@ def _norm_args(norm: tuple[torch.Tensor, float] | None, groups: int, k: int,
 def linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1,
            norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.linear.linear`. One row of x on CUDA (a batch-1 decode
-    step) runs `gemv` (grouped too: the o_a product; with the norm inside); 2-16 rows of bf16 on CUDA
+    step) runs `gemv` (grouped too: the o_a product; with the norm inside); 2-32 rows of bf16 on CUDA
     the norm kernel, then `skinny_gemm` (weights on the MMA's M side; 5-13% faster than cuBLAS at the
     V4 projections); more rows, or the CPU, the norm kernel, then the reference's GEMM (cuBLAS)."""
     n, k = weight.shape

@@ -1,8 +1,8 @@
-"""Triton twin of `reference.linear.linear` for a decode batch of 2-16 rows with bf16 / fp16 weights:
+"""Triton twin of `reference.linear.linear` for a decode batch of 2-32 rows with bf16 / fp16 weights:
 y = x W^T, each weight byte read once.
 
 The weights go on the MMA's M side: a program takes BLOCK_N rows of W (a tensor-descriptor tile
-[BLOCK_N, BLOCK_K]) against x^T [BLOCK_K, rows] and walks K; the batch is the MMA's N (16). No
+[BLOCK_N, BLOCK_K]) against x^T [BLOCK_K, rows] and walks K; the batch is the MMA's N (16 or 32). No
 split-K: the V4-Flash projections have N / 64 >= 40 row tiles. Output group g (N/G rows, a
 multiple of BLOCK_N) reads x's g-th K columns (the grouped o_a projection).
 
@@ -13,7 +13,8 @@ W_ob 27.8 / 30.6 (cuBLAS splits K there and reduces in a second kernel); 16 rows
 rows, 8 warps and 2 K splits measured too). In the layer (H100, 128K, BF16 weights, two rounds on one
 machine, `benchmarks/ab_run.sh`): B = 16 CSA 185.7-186.5 -> 180.3-181.1 µs, HCA 127.5-127.8 ->
 125.2-125.6; but B = 64 CSA 268.0-269.8 -> 266.8-270.1, HCA 153.2-153.7 -> 155.4-156.0 (also without
-programmatic dependent launch: 155.8-156.7). So up to 16 rows (MAX_ROWS); 17-32 rows were not measured.
+programmatic dependent launch: 155.8-156.7); B = 32 CSA 211.2-211.5 -> 208.4-208.6, HCA 136.9-137.1 ->
+135.2-135.3. So up to 32 rows (MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 
 #: rows of x this kernel takes (more: cuBLAS; at 64 rows the kernel was faster alone, slower in the layer)
-MAX_ROWS = 16
+MAX_ROWS = 32
 BLOCK_N, BLOCK_K, STAGES, WARPS = 64, 128, 4, 4
 
 
