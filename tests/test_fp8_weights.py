@@ -19,6 +19,7 @@ from dsv4.kernels.reference.linear import rms_rows
 from dsv4.kernels.triton import fp8_linear
 from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
 from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
+from dsv4.model.layer_schedule import AttentionType
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the device tool)")
@@ -357,3 +358,49 @@ def test_gpu_fp8_layer_graph_replay_and_reference(layer):
     for r in xs:
         assert torch.equal(graph[r], eager[r]), (r, _rel_l2(graph[r], eager[r]))
         assert _rel_l2(eager[r], ref[r]) <= 2e-2, (r, _rel_l2(eager[r], ref[r]))
+
+
+@_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
+def test_gpu_fp8_split_input_gemms_change_nothing(layer, monkeypatch):
+    """FP8 q_a / kv beside dense compressor weights: the compressors' input GEMM on the decode step's side
+    branch (`decode_path.SPLIT_INPUT_GEMMS`) gives the one-stream projections' outputs bit for bit, eager
+    and replayed from CUDA graphs (the same kernels; only their streams and the events between them
+    differ), and the split is taken."""
+    from test_gpu_decode import _case, _run
+
+    import dsv4.attention.decode_path as dp
+
+    cfg = real_dims_config()
+    w, xs, sched = _case(cfg, layer, {"a": 250, "b": 126}, 6)
+    kw = dict(fp8_weights=True, dtype=torch.bfloat16)
+    split_calls = []
+    project = AttentionSubBlock.project
+
+    def counted(self, x, ops=None, dense_on=None):
+        split_calls.append(dense_on is not None)
+        return project(self, x, ops, dense_on)
+
+    monkeypatch.setattr(AttentionSubBlock, "project", counted)
+    outs = {}
+    for split in (True, False):
+        monkeypatch.setattr(dp, "SPLIT_INPUT_GEMMS", {AttentionType.CSA: 1, AttentionType.HCA: 1} if split else {})
+        split_calls.clear()
+        outs[split] = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw)
+                       for g in (False, True)]
+        assert any(split_calls) == split, split_calls
+    for r in xs:
+        for eager_or_graph in range(2):
+            assert torch.equal(outs[True][eager_or_graph][r], outs[False][eager_or_graph][r]), (r, eager_or_graph)
+
+
+def test_dense_inputs_of_an_fp8_checkpoint():
+    """Held as DeepSeek ships them, a layer's dense input projections are exactly the compressors' (the
+    decode step's split of its input GEMMs keys on this)."""
+    cfg = tiny_config()
+    for layer, want in ((1, {"c", "z", "ic", "iz", "iw"}), (2, {"c", "z"})):
+        blk = make_block(cfg, layer, hfo.random_attention_weights(cfg, layer, seed=5))
+        assert blk.dense_inputs() == frozenset(blk.project_names())
+        blk.quantize_weights()
+        assert blk.dense_inputs() == want, (layer, blk.dense_inputs())

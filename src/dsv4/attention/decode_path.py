@@ -53,15 +53,15 @@ def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     return ev
 
 
-def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
-                  ops: types.SimpleNamespace, out_dtype: torch.dtype) -> torch.Tensor:
-    """Cache writes and attention for an all-decode batch.
+def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.SimpleNamespace) -> torch.Tensor:
+    """Input projections, cache writes and attention for an all-decode batch.
 
     Args:
-        blk: the AttentionSubBlock; proj: its input projections of x (`AttentionSubBlock.project`).
+        blk: the AttentionSubBlock; x: [B, d] its input.
     Returns:
-        [B, H, D] attention output after the inverse RoPE (applied by the attention op), in out_dtype.
+        [B, H, D] attention output after the inverse RoPE (applied by the attention op), in x's dtype.
     """
+    out_dtype = x.dtype
     b, st, sch = cache.batch, cache.state, cache.schema
     fmt = sch.kv_format
     dev = b.positions.device
@@ -70,9 +70,19 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
     csa = sch.attn_type is AttentionType.CSA
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     side, table = side_stream(dev), side_stream(dev, 1)
-    if side is not None:
+    # FP8 q_a / kv beside dense compressor weights: the compressors' GEMM heads the side branch, so the
+    # queries' chain goes on right after the FP8 one (the side branch waits for it before reading kv)
+    split = side is not None and comp is not None and b.num_requests >= SPLIT_INPUT_GEMMS.get(sch.attn_type, 1 << 30) \
+        and blk.dense_inputs() == frozenset(_COMPRESSOR_INPUTS) & frozenset(blk.project_names())
+    if not split:
+        proj = blk.project(x, ops)
+    if side is not None:        # the branches fork after x (and, unsplit, every projection of it)
         side.wait_stream(main)
         table.wait_stream(main)
+    inputs_ready = None
+    if split:
+        proj = blk.project(x, ops, dense_on=side)
+        inputs_ready = _recorded(main)
     with on(table):     # a branch of its own: launched before the GEMM, as is the head of the side branch
         cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
     table_ready = _recorded(table)
@@ -97,6 +107,8 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
         if table_ready is not None:
             side.wait_event(table_ready)
+        if inputs_ready is not None:
+            side.wait_event(inputs_ready)
         kv = blk.window_kv(proj, cos, sin, ops)
         ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
                           b.seq_lens)
@@ -148,6 +160,14 @@ def decode_attend(blk, proj: dict[str, torch.Tensor], cache: LayerCacheHandle,
         main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o
 
+
+#: the input projections the compressors read (the side branch): where exactly these are held dense and
+#: the rest (q_a, kv) as FP8 blocks (an FP8 checkpoint), their GEMM runs on the side branch (`decode_attend`)
+_COMPRESSOR_INPUTS = ("c", "z", "ic", "iz", "iw")
+#: the decode rows from which a layer type's step does. H100, 128K, FP8 weights, µs (benchmarks/NOTES.md,
+#: thirty-eighth round): CSA B = 1 97.6 -> 96.1, B = 16 154.2 -> 146.8; HCA B = 16 100.3 -> 95.9, but
+#: B = 1 69.5 -> 75.3 (the GEMM at the head of the side branch delays what the attention joins)
+SPLIT_INPUT_GEMMS = {AttentionType.CSA: 1, AttentionType.HCA: 2}
 
 #: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row
 #: GEMV, so no norm kernel runs between the input projections and it; more rows run the norm kernel

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels.dispatch import ops_for
+from dsv4.kernels.streams import on
 from dsv4.model.fp8_weights import BLOCK, BlockFP8Linear
 
 
@@ -113,6 +114,11 @@ class FusedProjection:
                 at += lin.out_features
         self._ptrs = [t.data_ptr() for t in self._tensors()]
 
+    def fp8_parts(self) -> list[bool]:
+        """Per part, in order: whether it is held as FP8 blocks (else dense)."""
+        self.weight()                   # (re)builds the fused buffers and the part table if needed
+        return [fp8 for fp8, _ in self._cols]
+
     def weight(self) -> torch.Tensor | None:
         """The fused dense weight [sum N, K] (None when every part is FP8)."""
         if self._ptrs != [t.data_ptr() for t in self._tensors()]:
@@ -120,16 +126,24 @@ class FusedProjection:
         return self._dense
 
     def __call__(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
+                 norm: tuple[torch.Tensor, float] | None = None,
+                 dense_on: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
         """ops: the op namespace whose `linear` / `linear_fp8` run the GEMMs (default: the reference's);
         norm = (w, eps): the projections of RMSNorm_w(x) (each GEMM applies it: inside a one-row GEMV,
-        else by the norm kernel first)."""
+        else by the norm kernel first). dense_on: where both formats are held, the dense GEMM runs on
+        this stream (which must already wait for x), the FP8 one on the current stream; the caller
+        orders every read of a dense part after it (`has_both_formats`)."""
         ops = ops or ops_for(x.device, "reference")
         dense = self.weight()
         if norm is not None and dense is not None and self._fp8 is not None:
             # two GEMMs: normalise once, before them
             none = x.new_empty(x.shape[0], 0, dtype=torch.float32)
             x, norm = ops.norm_rope(x, norm[0], norm[1], none, none), None
-        y_dense = ops.linear(x, dense, norm=norm) if dense is not None else None
-        y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm) if self._fp8 is not None else None
+        if dense_on is not None and dense is not None and self._fp8 is not None:
+            y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm)         # launched first: the caller's critical path
+            with on(dense_on):
+                y_dense = ops.linear(x, dense, norm=norm)
+        else:
+            y_dense = ops.linear(x, dense, norm=norm) if dense is not None else None
+            y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm) if self._fp8 is not None else None
         return tuple((y_fp8 if fp8 else y_dense)[:, c:c + n] for (fp8, c), n in zip(self._cols, self.sizes))

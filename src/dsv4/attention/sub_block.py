@@ -164,21 +164,31 @@ class AttentionSubBlock(nn.Module):
         self.set_submodule(name, new)
 
     # ------------------------------------------------------------------ forward
-    def project(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None) -> dict[str, torch.Tensor]:
+    def project(self, x: torch.Tensor, ops: types.SimpleNamespace | None = None,
+                dense_on: torch.cuda.Stream | None = None) -> dict[str, torch.Tensor]:
         """Every projection of x in one GEMM per weight format (`ops`: an op namespace; default the
         reference's), as column views: q_a, kv; compressed layers c, z (the compressor's kv_proj /
-        gate_proj); CSA ic, iz (the indexer's), iw (its weights_proj)."""
-        return dict(zip(self._input_names, self._inputs(x, ops)))
+        gate_proj); CSA ic, iz (the indexer's), iw (its weights_proj). dense_on: the dense GEMM on
+        that stream where both formats are held (`FusedProjection.__call__`)."""
+        return dict(zip(self._input_names, self._inputs(x, ops, dense_on=dense_on)))
+
+    def project_names(self) -> list[str]:
+        """`project`'s names, in order."""
+        return list(self._input_names)
+
+    def dense_inputs(self) -> frozenset[str]:
+        """The input projections (`project`'s names) held dense; the others are FP8 blocks."""
+        return frozenset(n for n, fp8 in zip(self._input_names, self._inputs.fp8_parts()) if not fp8)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCacheHandle) -> torch.Tensor:
         """x [T, d] packed in batch order -> [T, d]."""
         self._check(x, batch, cache)
         cfg = self.cfg
         ops = self._ops(cache)
-        proj = self.project(x, ops)
         if self.decode_path and batch.is_decode:
-            o = decode_attend(self, proj, cache, ops, x.dtype)        # inverse RoPE applied by the attention op
+            o = decode_attend(self, x, cache, ops)    # projects x itself; the attention op applies the inverse RoPE
         else:
+            proj = self.project(x, ops)
             cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
             q_up = self.query_up(self.q_residual(proj, ops), ops)
             # Triton's dots take q as bf16 for bf16-exact formats (as the decode path)
