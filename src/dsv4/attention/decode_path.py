@@ -5,6 +5,9 @@ reference ops it is the readable twin (tests compare it with the general prefill
 
 On CUDA the step runs on three streams (a CUDA graph captures them as parallel branches):
 
+    inputs x's projections, one GEMM per weight format; with FP8 q_a / kv and dense compressor
+           weights (an FP8 checkpoint) the dense GEMM heads the side branch instead, from
+           SPLIT_INPUT_GEMMS rows
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
            top-k; HCA: q norm/RoPE
@@ -164,9 +167,12 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
 #: the input projections the compressors read (the side branch): where exactly these are held dense and
 #: the rest (q_a, kv) as FP8 blocks (an FP8 checkpoint), their GEMM runs on the side branch (`decode_attend`)
 _COMPRESSOR_INPUTS = ("c", "z", "ic", "iz", "iw")
-#: the decode rows from which a layer type's step does. H100, 128K, FP8 weights, µs (benchmarks/NOTES.md,
-#: thirty-eighth round): CSA B = 1 97.6 -> 96.1, B = 16 154.2 -> 146.8; HCA B = 16 100.3 -> 95.9, but
-#: B = 1 69.5 -> 75.3 (the GEMM at the head of the side branch delays what the attention joins)
+#: the decode rows from which a layer type's step does. H100, 128K, FP8 weights, µs, two rounds
+#: (benchmarks/NOTES.md, thirty-eighth round): CSA B = 1 96.4-97.4 -> 94.9-95.3, B = 16 153.1-153.2 ->
+#: 145.1, B = 64 240.4-241.0 -> 239.6-242.0; HCA B = 16 98.9-99.1 -> 94.2-94.6, B = 64 135.4-135.6 ->
+#: 130.8-130.9, but B = 1 69.4-69.6 -> 75.3 (the GEMM at the head of the side branch delays what the
+#: attention joins). Splitting BF16 weights into two such GEMMs was slower at every row (HCA B = 64
+#: 153 -> 161), so the split follows the weight formats
 SPLIT_INPUT_GEMMS = {AttentionType.CSA: 1, AttentionType.HCA: 2}
 
 #: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row

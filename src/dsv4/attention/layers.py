@@ -132,7 +132,7 @@ class FusedProjection:
         norm = (w, eps): the projections of RMSNorm_w(x) (each GEMM applies it: inside a one-row GEMV,
         else by the norm kernel first). dense_on: where both formats are held, the dense GEMM runs on
         this stream (which must already wait for x), the FP8 one on the current stream; the caller
-        orders every read of a dense part after it (`has_both_formats`)."""
+        orders every read of a dense part after it (`AttentionSubBlock.dense_inputs`)."""
         ops = ops or ops_for(x.device, "reference")
         dense = self.weight()
         if norm is not None and dense is not None and self._fp8 is not None:
