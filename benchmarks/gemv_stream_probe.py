@@ -11,7 +11,11 @@ L2), captured in one CUDA graph after an L2-flushing read, and reports µs a lau
                 BLOCK_N rows, K in BLOCK_K steps, pipelined by Triton (stages)
     gemv_desc   the one-row FP8 GEMV with its code tiles loaded that way
 
-    python benchmarks/gemv_stream_probe.py [--reps 8]
+    python benchmarks/gemv_stream_probe.py [--copies 8]
+
+--inputs instead times the step's first stage, one launch each after the flush: the FP8 q_a + kv
+GEMV ([1,536, 4,096] codes) and the dense compressors' bf16 GEMV (HCA [1,024, 4,096], CSA
+[2,624, 4,096]) alone and one after the other, at several tiles (BLOCK_N, BLOCK_K, warps, stages).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from torch.profiler import ProfilerActivity, profile
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dsv4.kernels.triton import fp8_linear
+from dsv4.kernels.triton import fp8_linear, gemv
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 from dsv4.model.fp8_weights import quantize_blocks
 
@@ -70,7 +75,6 @@ def _gemv_desc(x_ptr, w_desc, s_ptr, y_ptr, N, K, n_group, s_sn, BLOCK_N: tl.con
 def chain_us(fns: list, reps: int) -> float:
     """µs a launch: a graph of [flush read, fns...] against a graph of [flush read] alone."""
     flush = torch.ones(96 * 2**20, dtype=torch.int32, device=DEV)
-    sink = torch.empty(1, dtype=torch.int64, device=DEV)
 
     def graph(body: list):
         for f in body:
@@ -81,7 +85,7 @@ def chain_us(fns: list, reps: int) -> float:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             with torch.cuda.graph(g, stream=s):
-                torch.sum(flush, out=sink)
+                flush.sum()
                 for f in body:
                     f()
         torch.cuda.synchronize()
@@ -107,9 +111,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--inputs", action="store_true", help="the step's input GEMVs instead (module doc)")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     print(torch.cuda.get_device_name())
+    if args.inputs:
+        for layer, dense_rows in (("HCA", 1024), ("CSA", 2624)):
+            probe_inputs(layer, dense_rows, args.reps, gen)
+        return
     # (name, groups, N per group, K)
     shapes = [("HCA q_b", 1, 32768, 1024), ("o_a (8 groups)", 8, 1024, 4096), ("W_ob", 1, 4096, 8192)]
     for name, groups, n, k in shapes:
@@ -173,6 +182,73 @@ def probe_shape(name: str, groups: int, n: int, k: int, copies: int, reps: int,
         tail = f"{mb / us:6.2f} TB/s" if us else ""
         print(f"  {label:<34} {us if us is None else f'{us:8.2f}'} µs {tail} {bad}")
     del mats
+
+
+#: (BLOCK_N, BLOCK_K, warps, stages) tried for the K-4096 input GEMVs (the first of each is the default)
+FP8_INPUT_TILES = ((4, 2048, 4, 3), (4, 4096, 4, 1), (8, 4096, 8, 1), (2, 4096, 4, 1), (4, 1024, 4, 3),
+                   (8, 1024, 4, 4), (16, 512, 4, 4), (2, 2048, 2, 2))
+BF16_INPUT_TILES = ((4, 1024, 4, 3), (4, 4096, 8, 1), (2, 4096, 4, 1), (8, 2048, 8, 1), (4, 2048, 4, 2),
+                    (2, 2048, 4, 2), (1, 4096, 4, 1), (2, 1024, 2, 3))
+
+
+def span_us(fns: list, reps: int) -> float:
+    """Median µs from a spin kernel's end to the last of fns' kernels' end (torch.profiler's device
+    timestamps), each rep after an L2-flushing read: one stage's latency as the step sees it."""
+    flush = torch.ones(64 * 2**20, dtype=torch.int32, device=DEV)
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.sum()
+            torch.cuda._sleep(2_000_000)
+            for f in fns:
+                f()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    spins = [i for i, e in enumerate(ev) if "sleep" in e.name.lower() or "spin" in e.name.lower()]
+    spans = [max(e.time_range.end for e in ev[i + 1:i + 1 + len(fns)]) - ev[i].time_range.end for i in spins]
+    return statistics.median(spans)
+
+
+def probe_inputs(layer: str, dense_rows: int, reps: int, gen: torch.Generator) -> None:
+    k = 4096
+    codes, scale = quantize_blocks(torch.randn(1536, k, device=DEV, generator=gen) * 0.02)
+    dense = (torch.randn(dense_rows, k, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, generator=gen).to(torch.bfloat16)
+    ref_f, ref_d = fp8_linear.linear_fp8(x, codes, scale).float(), gemv.linear(x, dense).float()
+    yd = torch.empty(1, dense_rows, dtype=torch.bfloat16, device=DEV)
+
+    def fp8(t):
+        return lambda: fp8_linear.linear_fp8(x, codes, scale, tiles=t)
+
+    def bf16(t):
+        bn, bk, warps, stages = t
+        return lambda: gemv._gemv_kernel[(triton.cdiv(dense_rows, bn),)](
+            x, dense, yd, x, dense_rows, k, dense_rows, dense.stride(0), 0.0, BLOCK_N=bn, BLOCK_K=bk, NORM=False,
+            num_warps=warps, num_stages=stages, **pdl_launch(DEV))
+
+    print(f"\n{layer} inputs: FP8 {codes.numel() / 1e6:.1f} MB, bf16 {dense.numel() * 2 / 1e6:.1f} MB; µs a launch "
+          "from a spin's end, L2 flushed")
+    singles = {}
+    for kind, tiles, make, y, ref in (("fp8", FP8_INPUT_TILES, fp8, None, ref_f),
+                                      ("bf16", BF16_INPUT_TILES, bf16, yd, ref_d)):
+        for t in tiles:
+            out = make(t)()
+            bad = rel_err(out if y is None else y, ref)
+            singles[kind, t] = span_us([make(t)], reps)
+            print(f"  {kind:<4} {t!s:<22} {singles[kind, t]:7.2f} µs  err {bad:.1e}")
+    best = {kind: [FP8_INPUT_TILES[0] if kind == "fp8" else BF16_INPUT_TILES[0]]
+            + sorted((t for (kk, t) in singles if kk == kind), key=lambda t, kind=kind: singles[kind, t])[:3]
+            for kind in ("fp8", "bf16")}
+    for tf in dict.fromkeys(best["fp8"]):
+        for tb in dict.fromkeys(best["bf16"]):
+            print(f"  pair fp8 {tf!s:<22} bf16 {tb!s:<22} {span_us([fp8(tf), bf16(tb)], reps):7.2f} µs")
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
 if __name__ == "__main__":

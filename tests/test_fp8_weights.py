@@ -15,8 +15,9 @@ from dsv4 import KVCacheManager
 from dsv4.attention import AttentionSubBlock
 from dsv4.errors import InputError
 from dsv4.kernels.reference.linear import linear_fp8 as ref_linear_fp8
+from dsv4.kernels.reference.linear import linear_pair as ref_linear_pair
 from dsv4.kernels.reference.linear import rms_rows
-from dsv4.kernels.triton import fp8_linear
+from dsv4.kernels.triton import fp8_linear, gemv
 from dsv4.kernels.triton.fp8_linear import linear_fp8 as tri_linear_fp8
 from dsv4.model.fp8_weights import BlockFP8Linear, dequantize_blocks, quantize_blocks
 from dsv4.model.layer_schedule import AttentionType
@@ -309,6 +310,46 @@ def test_fp8_load_errors():
         fp8.quantize_weights("e4m3")
 
 
+def _assert_pair_is_both_gemvs(x: torch.Tensor, dense: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor):
+    """gemv_pair's outputs are those of the two one-row GEMVs bit for bit (each of its programs runs
+    their code at their tiles), and these are near the float64 products."""
+    y_d, y_f = fp8_linear.gemv_pair(x, dense, codes, scale)
+    assert torch.equal(y_d, gemv.gemv(x, dense)) and torch.equal(y_f, tri_linear_fp8(x, codes, scale))
+    want_d = (x.double() @ dense.double().T)
+    tol = 2e-6 if x.dtype == torch.float32 else 2 ** -7
+    assert (y_d.double() - want_d).abs().max() <= tol * want_d.abs().max()
+    _assert_close_to_product(y_f, ref_linear_fp8(x.float(), codes, scale, 1), x, codes, scale, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_d,n_f,k", [(70, 200, 300), (16, 130, 1024), (37, 64, 2050), (5, 1, 129)])
+def test_gemv_pair_is_both_gemvs(n_d, n_f, k, dtype):
+    """One launch of a dense and an FP8 one-row GEMV of one x: N off both row blocks, K off the K
+    blocks (300, 2050, 129), one FP8 row."""
+    g = torch.Generator().manual_seed(n_d * 7919 + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
+    dense = (torch.randn(n_d, k, generator=g) * torch.logspace(-2, 1, n_d)[:, None]).to(DEVICE, dtype)
+    _, codes, scale = _weight(n_f, k, DEVICE)
+    _assert_pair_is_both_gemvs(x, dense, codes, scale)
+
+
+def test_linear_pair_dispatch():
+    """Off the one-row CUDA case (several rows, the CPU) `linear_pair` is the two projections; the
+    reference's is its linear and linear_fp8; mismatched K is refused."""
+    g = torch.Generator().manual_seed(3)
+    _, codes, scale = _weight(40, 256, DEVICE)
+    dense = torch.randn(24, 256, generator=g).to(DEVICE)
+    for t in (1, 3):
+        x = torch.randn(t, 256, generator=g).to(DEVICE)
+        y_d, y_f = fp8_linear.linear_pair(x, dense, codes, scale)
+        assert torch.equal(y_f, tri_linear_fp8(x, codes, scale))
+        assert torch.equal(y_d, gemv.linear(x, dense) if t > 1 or DEVICE == "cpu" else gemv.gemv(x, dense))
+        r_d, r_f = ref_linear_pair(x, dense, codes, scale)
+        assert torch.equal(r_d, x @ dense.T) and torch.equal(r_f, ref_linear_fp8(x, codes, scale))
+    with pytest.raises(InputError):
+        fp8_linear.gemv_pair(torch.randn(1, 128, device=DEVICE), dense[:, :128], codes, scale)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 @_GPU
 @pytest.mark.gpu
@@ -321,6 +362,21 @@ def test_gpu_linear_fp8_flash_shapes(t, n, k, groups):
     x = torch.randn(t, groups * k, device=dev).to(torch.bfloat16)
     y = tri_linear_fp8(x, codes, scale, groups)
     _assert_close_to_product(y, ref_linear_fp8(x.float(), codes, scale, groups), x, codes, scale, groups)
+
+
+@_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_d", [1024, 2624], ids=["hca", "csa"])
+def test_gpu_gemv_pair_flash_inputs(n_d):
+    """The decode step's first stage at one row with an FP8 checkpoint: FP8 q_a + kv (1,536 rows) beside
+    the dense compressor projections (HCA 1,024 rows, CSA 2,624), K 4,096, bf16."""
+    dev = torch.device("cuda")
+    x = torch.randn(1, 4096, device=dev).to(torch.bfloat16)
+    dense = (torch.randn(n_d, 4096, device=dev) * 0.02).to(torch.bfloat16)
+    codes, scale = quantize_blocks(torch.randn(1536, 4096, device=dev) * 0.02, "ue8m0")
+    _assert_pair_is_both_gemvs(x, dense, codes, scale)
+    y_d, y_f = fp8_linear.linear_pair(x, dense, codes, scale)      # the dispatch takes the pair at one row
+    assert torch.equal(y_d, gemv.gemv(x, dense)) and torch.equal(y_f, tri_linear_fp8(x, codes, scale))
 
 
 @_GPU

@@ -143,6 +143,8 @@ class FusedProjection:
             y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm)         # launched first: the caller's critical path
             with on(dense_on):
                 y_dense = ops.linear(x, dense, norm=norm)
+        elif dense is not None and self._fp8 is not None:
+            y_dense, y_fp8 = ops.linear_pair(x, dense, *self._fp8)      # x normalised above
         else:
             y_dense = ops.linear(x, dense, norm=norm) if dense is not None else None
             y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm) if self._fp8 is not None else None

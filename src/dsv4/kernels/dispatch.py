@@ -4,8 +4,9 @@ Both namespaces export the same functions with the same signatures:
 append_window, write_entries, gather_window, gather_entries, gather_all_entries,
 compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, decode_indexer_topk,
 prefill_indexer_topk, norm_rope,
-rope_cos_sin, decode_attention, prefill_attention, linear and linear_fp8 (the layer's projections:
-dense and FP8 block weights). `auto` picks Triton on CUDA when Triton is importable, else the reference.
+rope_cos_sin, decode_attention, prefill_attention, linear, linear_fp8 and linear_pair (the layer's
+projections: dense weights, FP8 block weights, one input by both). `auto` picks Triton on CUDA when
+Triton is importable, else the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _reference() -> types.SimpleNamespace:
         decode_attention=decode.decode_attention,
         prefill_indexer_topk=indexer.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
         rope_cos_sin=norm_rope.rope_cos_sin, prefill_attention=attention.prefill_attention, linear=linear.linear,
-        linear_fp8=linear.linear_fp8)
+        linear_fp8=linear.linear_fp8, linear_pair=linear.linear_pair)
 
 
 def triton_available() -> bool:

@@ -52,3 +52,12 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
     xg = x.float().reshape(t, groups, k).transpose(0, 1)      # [G, T, K]
     y = torch.bmm(xg, w.view(groups, n // groups, k).transpose(1, 2))   # [G, T, N/G]
     return y.transpose(0, 1).reshape(t, n).to(x.dtype)
+
+
+def linear_pair(x: torch.Tensor, dense: torch.Tensor, codes: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projections of one input by a dense weight and by an FP8 block weight of the same K, as a
+    checkpoint with FP8 q_a / kv beside dense compressor weights holds them:
+    (linear(x, dense), linear_fp8(x, codes, scale))."""
+    return linear(x, dense), linear_fp8(x, codes, scale)
+

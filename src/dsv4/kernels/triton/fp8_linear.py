@@ -40,8 +40,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.errors import InputError
+from dsv4.kernels.triton import gemv
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
-from dsv4.kernels.triton.gemv import _norm_args, rms_apply, rms_rows, rms_scale
+from dsv4.kernels.triton.gemv import _norm_args, gemv_rows, rms_apply, rms_rows, rms_scale
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
 _GEMM_MAX_ROWS = 256     # more rows: dequantise, then cuBLAS (module doc)
@@ -57,6 +58,13 @@ _DESC_MIN_ROWS = 8
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, eps, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    gemv_fp8_rows(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, tl.program_id(0), N, K, n_group, s_wn, s_sn, eps, BLOCK_N,
+                  BLOCK_K, NORM, PDL)
+
+
+@triton.jit
+def gemv_fp8_rows(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, pid, N, K, n_group, s_wn, s_sn, eps, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # a K step is J scale blocks of 128: tiles [J, 128, BLOCK_N], so the J scales load as one vector
     # and scale x's [J, 128] slice by broadcast (no per-element gather of the scale). Rows last: the
     # 128 contiguous codes of a row spread over threads and J over the warp, so each thread holds
@@ -64,7 +72,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, 
     # of them (rows first, the x slice was converted per row, after a shared-memory round trip).
     # NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself
     J: tl.constexpr = BLOCK_K // 128
-    n0 = tl.program_id(0) * BLOCK_N
+    n0 = pid * BLOCK_N
     rn = n0 + tl.arange(0, BLOCK_N)
     rj = tl.arange(0, J)
     nm = rn < N
@@ -94,6 +102,20 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, s_sn, 
             xs = rms_apply(xs, inv, nw_ptr, kk, km, x_ptr.dtype.element_ty)
         acc += w * (xs * sc[:, None])[:, :, None]
     tl.store(y_ptr + rn, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _gemv_pair_kernel(x_ptr, wd_ptr, yd_ptr, nd, s_wd, wf_ptr, s_ptr, yf_ptr, nf, s_wf, s_sn, K,
+                      BN_D: tl.constexpr, BK_D: tl.constexpr, BN_F: tl.constexpr, BK_F: tl.constexpr,
+                      PDL: tl.constexpr):
+    """`linear_pair` at one row: the FP8 GEMV's programs, then the dense GEMV's, in one grid (each
+    program the code of its own kernel), so both weights stream at once."""
+    pid = tl.program_id(0)
+    pf = tl.cdiv(nf, BN_F)
+    if pid < pf:
+        gemv_fp8_rows(x_ptr, wf_ptr, s_ptr, yf_ptr, x_ptr, pid, nf, K, nf, s_wf, s_sn, 0.0, BN_F, BK_F, False, PDL)
+    else:
+        gemv_rows(x_ptr, wd_ptr, yd_ptr, x_ptr, pid - pf, nd, K, nd, s_wd, 0.0, BN_D, BK_D, False, PDL)
 
 
 # two e4m3 codes (one 16-bit register) -> a bf16x2, exact: e4m3 -> f16 pair, f16 -> f32 (HADD2.F32 on
@@ -305,6 +327,43 @@ def linear_fp8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, groups
         _sum_splits_kernel[(triton.cdiv(t * n, 1024),)](out, y, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
                                                          **launch)
     return y
+
+
+def linear_pair(x: torch.Tensor, dense: torch.Tensor, codes: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.linear.linear_pair`: one row on CUDA `gemv_pair` (one launch),
+    otherwise `gemv.linear`, then `linear_fp8`."""
+    if (x.shape[0] == 1 and x.is_cuda and x.is_contiguous() and dense.stride(-1) == 1 and codes.is_contiguous()
+            and scale.is_contiguous() and dense.shape[1] == codes.shape[1]):
+        return gemv_pair(x, dense, codes, scale)
+    return gemv.linear(x, dense), linear_fp8(x, codes, scale)
+
+
+def gemv_pair(x: torch.Tensor, dense: torch.Tensor, codes: torch.Tensor,
+              scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, K] (contiguous) by a dense weight [N_d, K] (rows contiguous) and FP8 codes [N_f, K]
+    (contiguous, with their scales) -> ([1, N_d], [1, N_f]) in x's dtype, in one launch
+    (`_gemv_pair_kernel`: each program's code and tiles those of `gemv` and of `linear_fp8`'s GEMV,
+    so the outputs are theirs bit for bit). As two kernels, the second one's programs start only
+    once the first has finished: at the decode step's first stage (one row) a whole DRAM round trip
+    for a few MB; in one grid both weights' loads are in flight together."""
+    _check(x, codes, scale, 1)
+    scale = scale.contiguous()
+    n_d, k = dense.shape
+    n_f = codes.shape[0]
+    if x.shape != (1, k) or not x.is_contiguous() or dense.stride(-1) != 1 or not codes.is_contiguous():
+        raise InputError(f"gemv_pair: x must be one contiguous row of {k} and both weights' rows contiguous; "
+                         f"got x {list(x.shape)}, dense {list(dense.shape)}, codes {list(codes.shape)}")
+    bn_d, bk_d, warps_d, stages_d = gemv._tiles(k)
+    bn_f, bk_f, warps_f, stages_f = _gemv_tiles(n_f, k)
+    y_d = torch.empty(1, n_d, dtype=x.dtype, device=x.device)
+    y_f = torch.empty(1, n_f, dtype=x.dtype, device=x.device)
+    grid = triton.cdiv(n_f, bn_f) + triton.cdiv(n_d, bn_d)
+    _gemv_pair_kernel[(grid,)](x, dense, y_d, n_d, dense.stride(0), codes, scale, y_f, n_f,
+                               codes.stride(0), scale.stride(0), k, BN_D=bn_d, BK_D=bk_d, BN_F=bn_f, BK_F=bk_f,
+                               num_warps=max(warps_d, warps_f), num_stages=max(stages_d, stages_f),
+                               **pdl_launch(x.device))
+    return y_d, y_f
 
 
 def _descriptors_fit(x: torch.Tensor, codes: torch.Tensor) -> bool:

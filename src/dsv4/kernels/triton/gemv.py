@@ -65,12 +65,13 @@ def rms_apply(x, inv, nw_ptr, kk, km, DT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, eps, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    # output group g (n_group rows; a program never straddles two) reads x's g-th K columns.
-    # NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself
+def gemv_rows(x_ptr, w_ptr, y_ptr, nw_ptr, pid, N, K, n_group, s_wn, eps, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """Rows pid * BLOCK_N ... of y = x W^T: one program's work (`_gemv_kernel`, the pair kernel in
+    `fp8_linear`). Output group g (n_group rows; a program never straddles two) reads x's g-th K
+    columns. NORM (one group): x is RMSNorm_nw(x) first, each program finding the row's scale itself."""
     pdl_enter(PDL)
-    n0 = tl.program_id(0) * BLOCK_N
+    n0 = pid * BLOCK_N
     x_ptr += (n0 // n_group) * K
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -87,6 +88,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, eps, BLOCK_N:
             x = rms_apply(x, inv, nw_ptr, k0 + rk, km, x_ptr.dtype.element_ty)
         acc += w * x[None, :]
     tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, N, K, n_group, s_wn, eps, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    gemv_rows(x_ptr, w_ptr, y_ptr, nw_ptr, tl.program_id(0), N, K, n_group, s_wn, eps, BLOCK_N, BLOCK_K, NORM, PDL)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, groups: int = 1,

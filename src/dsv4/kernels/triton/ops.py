@@ -31,4 +31,5 @@ def namespace() -> types.SimpleNamespace:
         decode_attention=decode.decode_attention,
         prefill_indexer_topk=indexer_prefill.prefill_indexer_topk, norm_rope=norm_rope.norm_rope,
         rope_cos_sin=norm_rope.rope_cos_sin, prefill_attention=prefill_attention.prefill_attention,
-        linear=gemv.linear, linear_fp8=fp8_linear.linear_fp8)
+        linear=gemv.linear, linear_fp8=fp8_linear.linear_fp8,
+        linear_pair=fp8_linear.linear_pair)
