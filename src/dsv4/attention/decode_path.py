@@ -11,9 +11,9 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
            top-k; HCA: q norm/RoPE
-    table  cos/sin of the positions
+    table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
-           norm/RoPE inside the writes) -> [cos/sin ready] kv norm/RoPE -> window append; CSA:
+           norm/RoPE inside the writes); CSA: -> [cos/sin ready] kv norm/RoPE -> window append,
            then, once the GEMM is done, q norm/RoPE
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
@@ -108,13 +108,13 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
             entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
             # the writes apply kv_norm and RoPE at w*m themselves
             ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
-        if table_ready is not None:
-            side.wait_event(table_ready)
-        if inputs_ready is not None:
-            side.wait_event(inputs_ready)
-        kv = blk.window_kv(proj, cos, sin, ops)
-        ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions, b.token_request, b.request_slots,
-                          b.seq_lens)
+        if sch.attn_type not in WINDOW_ON_TABLE:
+            if table_ready is not None:
+                side.wait_event(table_ready)
+            _append_window(blk, proj, cos, sin, cache, ops, side, inputs_ready)
+    if sch.attn_type in WINDOW_ON_TABLE:   # beside the compressors' chain, right after cos/sin
+        with on(table):
+            _append_window(blk, proj, cos, sin, cache, ops, table, inputs_ready)
     if sch.attn_type in QA_NORM_IN_GEMM:
         q_up = blk.query_up_normed(proj, ops)
     else:
@@ -163,6 +163,26 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
         main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o
 
+
+def _append_window(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, cache: LayerCacheHandle,
+                   ops: types.SimpleNamespace, stream: torch.cuda.Stream | None,
+                   inputs_ready: torch.cuda.Event | None) -> None:
+    """The window's kv (norm, RoPE) into the ring, on `stream` (the current one), once the GEMM that
+    gives kv is done (`inputs_ready`, where the input GEMMs were split)."""
+    if inputs_ready is not None and stream is not None:
+        stream.wait_event(inputs_ready)
+    b, st = cache.batch, cache.state
+    kv = blk.window_kv(proj, cos, sin, ops)
+    ops.append_window(st.swa, cache.schema.kv_format, st.swa_pos, st.swa_head, kv, b.positions, b.token_request,
+                      b.request_slots, b.seq_lens)
+
+
+#: layer types whose window (kv norm/RoPE, append) runs on the table branch right after cos/sin, beside
+#: the compressors' chain on the side branch, instead of after it. H200, 128K, µs, two rounds (table
+#: branch against after the compressors): HCA FP8 B = 64 123.7-123.9 -> 120.9-121.2, B = 16 84.7-84.8 ->
+#: 84.2-84.4, B = 1 63.0 -> 62.6-62.8, BF16 within -0.5; CSA BF16 B = 1 111.3 -> 112.5-112.8 (B = 16 / 64
+#: -0.8 to -1.0, FP8 +0.4 to 0), so CSA keeps its window after the compressors (benchmarks/NOTES.md #163)
+WINDOW_ON_TABLE = (AttentionType.HCA,)
 
 #: the input projections the compressors read (the side branch): where exactly these are held dense and
 #: the rest (q_a, kv) as FP8 blocks (an FP8 checkpoint), their GEMM runs on the side branch (`decode_attend`)
