@@ -5,7 +5,9 @@
                                            program BLOCK_N whole rows, K in BLOCK_K steps, the x
                                            slice pre-multiplied by its blocks' scales (a program's
                                            rows share one scale row) once for all of the rows a
-                                           thread holds, one reduction at the end
+                                           thread holds, one reduction at the end. `linear_pair`:
+                                           this GEMV and a dense one of the same x in one grid
+                                           (`gemv_pair`; an FP8 checkpoint's input projections)
     2 .. 256 rows (decode batches)         `_gemm_desc_kernel`: the weight rows on the dot's M side
                                            (64 a tile, the register operand, the codes converted by
                                            `_E4M3X2_TO_BF16`), the batch on N (x^T from shared
@@ -346,7 +348,10 @@ def gemv_pair(x: torch.Tensor, dense: torch.Tensor, codes: torch.Tensor,
     (`_gemv_pair_kernel`: each program's code and tiles those of `gemv` and of `linear_fp8`'s GEMV,
     so the outputs are theirs bit for bit). As two kernels, the second one's programs start only
     once the first has finished: at the decode step's first stage (one row) a whole DRAM round trip
-    for a few MB; in one grid both weights' loads are in flight together."""
+    for a few MB; in one grid both weights' loads are in flight together. H200, the V4-Flash HCA
+    layer's FP8 q_a + kv beside its dense compressor projections, from a spin's end with the L2
+    flushed (`benchmarks/gemv_stream_probe.py --inputs`): 9.7 µs as two kernels, 7.7 in the step's
+    timeline as one; the layer at one row 63.7-63.8 -> 62.5-62.7 µs (benchmarks/NOTES.md #161)."""
     _check(x, codes, scale, 1)
     scale = scale.contiguous()
     n_d, k = dense.shape
