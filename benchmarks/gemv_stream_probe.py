@@ -28,22 +28,13 @@ import triton
 import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 from triton.tools.tensor_descriptor import TensorDescriptor
+from tune_gemv import _read_kernel as _read_ptr
 
 from dsv4.kernels.triton import fp8_linear, gemv
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch
 from dsv4.model.fp8_weights import quantize_blocks
 
 DEV = torch.device("cuda")
-
-
-@triton.jit
-def _read_ptr(x_ptr, out_ptr, n, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * BLOCK * UNROLL
-    acc = tl.zeros([BLOCK], tl.int32)
-    for u in tl.static_range(UNROLL):
-        o = base + u * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + o, mask=o < n, other=0).to(tl.int32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -148,7 +139,7 @@ def probe_shape(name: str, groups: int, n: int, k: int, copies: int, reps: int,
             rows.append((label, None, f"{type(e).__name__}: {str(e)[:100]}"))
 
     run("gemv (production)", [lambda c=c, s=s: fp8_linear.linear_fp8(x, c, s, groups=groups) for c, s in mats])
-    out = torch.empty(1 << 20, dtype=torch.int32, device=DEV)
+    out = torch.empty(1 << 20, dtype=torch.float32, device=DEV)
     for block, unroll, warps in ((2048, 4, 8), (4096, 4, 8), (1024, 8, 4)):
         per = block * unroll
         run(f"read_ptr {block}x{unroll} w{warps}",
