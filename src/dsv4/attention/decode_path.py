@@ -10,7 +10,7 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            SPLIT_INPUT_GEMMS rows
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
-           top-k; HCA / SWA: the q norm/RoPE inside the attention op (`q_norm`)
+           top-k; HCA: q norm/RoPE
     table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
            norm/RoPE inside the writes); CSA: -> [cos/sin ready] kv norm/RoPE -> window append,
@@ -134,11 +134,10 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
             q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     if table_ready is not None:
         main.wait_event(table_ready)
-    q_norm = None
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
-    else:       # the attention op normalises and rotates q itself (the fused kernel in its q load)
-        q, q_norm = blk.query_heads(q_up), blk.cfg.rms_norm_eps
+    else:
+        q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     indices = num_entries = None
     max_entries = 0
     if comp is not None:
@@ -159,7 +158,7 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
                              pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                              indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
-                             rope=(cos, sin), out_dtype=out_dtype, q_norm=q_norm)
+                             rope=(cos, sin), out_dtype=out_dtype)
     if prefetching:
         main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o

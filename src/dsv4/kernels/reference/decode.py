@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import EntryFormat
-from dsv4.errors import InputError
 from dsv4.kernels.reference.cache_ops import Views, read_rows
 from dsv4.kernels.reference.norm_rope import norm_rope
 
@@ -125,7 +124,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      kv_views: Views | None, block_table: torch.Tensor | None, epb: int,
                      indices: torch.Tensor | None, num_entries: torch.Tensor | None, max_entries: int,
                      sinks: torch.Tensor, scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -136,15 +135,9 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         rope: (cos, sin) [B, r/2] of the tokens' positions: the output is then RoPE_{-t}(o), the
             layer's inverse rotation (`norm_rope(..., normalize=False, inverse=True)`).
         out_dtype: the output's dtype (default fp32).
-        q_norm: eps: q is the raw query (q_b's output); the attention takes RoPE_t(RMSNorm(q)) per
-            head (no weight, `rope`'s table: the layer's `queries`).
     Returns:
         [B, H, D].
     """
-    if q_norm is not None:
-        if rope is None:
-            raise InputError("q_norm rotates q by the rope table: pass rope=(cos, sin)")
-        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.float32)
     q = q.float()
     slots = request_slots.long()
     t = positions.long()[:, None]

@@ -127,23 +127,6 @@ def with_sink(acc, m_i, l_i, sinks_ptr, h, hmask):
 
 
 @triton.jit
-def _norm_rope_q(q, row_ptr, d, hmask, cos_row, sin_row, eps, D: tl.constexpr, NOPE: tl.constexpr):
-    """RoPE_t(RMSNorm(q)) of raw query rows [BLOCK_H, NCH * 64] (row_ptr: each head's row), fp32:
-    `norm_rope`'s arithmetic with no weight (x inv, then the interleaved pairs of the trailing D - NOPE
-    channels rotated by cos / sin of the token), each channel's partner loaded again (an L1 hit)."""
-    inside = d < D
-    q = q.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(q * q, axis=1) / D + eps)
-    rot = (d >= NOPE) & inside
-    partner = tl.load(row_ptr + (d ^ 1), mask=hmask[:, None] & rot, other=0.0).to(tl.float32) * inv[:, None]
-    q = q * inv[:, None]
-    j = (d - NOPE) // 2
-    c = tl.load(cos_row + j, mask=rot, other=1.0)
-    s = tl.load(sin_row + j, mask=rot, other=0.0)
-    return tl.where(rot, q * c + tl.where(d % 2 == 0, -partner, partner) * s, q)
-
-
-@triton.jit
 def _decode_attn_kernel(
         q_ptr, sinks_ptr, out_ptr, pml_ptr,
         wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
@@ -151,13 +134,12 @@ def _decode_attn_kernel(
         s_qb, s_qh, s_ob, s_os, s_oh,
         s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-        ring, window, epb, max_blocks, n_comp, qk_scale, cos_ptr, sin_ptr, s_cos, q_eps,
+        ring, window, epb, max_blocks, n_comp, qk_scale,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUSED: tl.constexpr, QNORM: tl.constexpr, PDL: tl.constexpr):
+        FUSED: tl.constexpr, PDL: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
-    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]. QNORM: q is raw
-    (q_b's output); each program normalises and rotates its heads' rows as it loads them."""
+    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
     pdl_enter(PDL)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -166,9 +148,6 @@ def _decode_attn_kernel(
     hmask = h < H
     d = tl.arange(0, NCH * 64)[None, :]
     q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d, mask=hmask[:, None] & (d < D), other=0.0)
-    if QNORM:
-        q = _norm_rope_q(q, q_ptr + b * s_qb + h[:, None] * s_qh, d, hmask, cos_ptr + b * s_cos, sin_ptr + b * s_cos,
-                         q_eps, D, NOPE)
     q_hi, q_lo = split_operand(q, PREC)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -220,7 +199,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      score_splits: int | None = None, value_block_n: int | None = None,
                      value_block_d: int | None = None, value_warps: int | None = None,
                      value_splits: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -245,10 +224,6 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         rope: (cos, sin) [B, r/2]: return RoPE_{-t}(o) (applied by the split combine or the two-pass
         scheme's pass 2; by `norm_rope` after a one-split fused kernel); out_dtype: the output's
         dtype (default fp32).
-        q_norm: eps: q is the raw query (q_b's output) and the op takes RoPE_t(RMSNorm(q)) (no weight;
-        `rope`'s table): the fused kernel inside its q load (no norm kernel before the attention on
-        a decode step's critical path), the other schemes by `norm_rope` first, rounded to their
-        operand type as a caller's bf16 q would be.
     Returns:
         [B, H, D] out_dtype.
     """
@@ -290,11 +265,6 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
             scheme = "wide"     # measured faster wherever halves is the default (`_scheme`)
     if scheme not in SCHEMES:
         raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
-    if q_norm is not None and rope is None:
-        raise InputError("q_norm rotates q by the rope table: pass rope=(cos, sin)")
-    if q_norm is not None and scheme != "fused":       # normalised here; the fused kernel does it itself
-        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.bfloat16 if prec == 1 else torch.float32)
-        q_norm = None
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
     strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
@@ -358,23 +328,14 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         q, sinks, part, pml, wkv, wrope, wsc, swa_pos, request_slots, positions,
         ckv, crope, csc, bt, idx, nent,
         q.stride(0), q.stride(1), part.stride(0), s_split, part.stride(-2), *strides,
-        ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E, *_q_norm_args(rope, q_norm, q),
+        ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
-        QNORM=q_norm is not None,
         num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}), **pdl_launch(q.device))
     note_compile("decode_attention", k)
     if n_split == 1:
         return _finish(out, rope, out_dtype)
     return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
-
-
-def _q_norm_args(rope: tuple[torch.Tensor, torch.Tensor] | None, q_norm: float | None, q: torch.Tensor) -> tuple:
-    """The fused kernel's (cos, sin, row stride, eps) for QNORM (q stands in where it is off: never read)."""
-    if q_norm is None:
-        return q, q, 0, 0.0
-    cos, sin = (t.float().contiguous() for t in rope)
-    return cos, sin, cos.stride(0), float(q_norm)
 
 
 def _finish(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
