@@ -7,7 +7,8 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
 
     inputs x's projections, one GEMM per weight format; with FP8 q_a / kv and dense compressor
            weights (an FP8 checkpoint) the dense GEMM heads the side branch instead, from
-           SPLIT_INPUT_GEMMS rows
+           SPLIT_INPUT_GEMMS rows (below them, at one row, both GEMVs run in one launch:
+           `linear_pair`)
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
            top-k; HCA: q norm/RoPE
