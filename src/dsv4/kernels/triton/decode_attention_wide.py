@@ -43,6 +43,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
@@ -54,6 +55,8 @@ from dsv4.kernels.triton.decode_common import pdl_launch
 # the CTA-wide barrier (a partition's own named barrier inside `warp_specialize`): `thread_barrier`
 # in Triton 3.6, `barrier` from 3.7
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: Gluon's API as written here: Triton 3.6 (measured) to 3.9 (compiled); earlier ones differ
 GLUON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 #: keys a tile
@@ -63,6 +66,9 @@ _BN = gl.constexpr(BLOCK_N)
 #: MAXNREG x 12 warps (192: acc 128 + S 32 + p 16 a thread; at 184 it spills its accumulator)
 REGS = (160, 152)
 MAXNREG = 168
+#: chunks of a tile staged in shared memory by cp.async a tile ahead (chunks 4-6 and the rope go
+#: through registers): 16 KB, what the queries, key and p tiles leave
+_ST = gl.constexpr(4)
 
 
 @gluon.jit
@@ -104,106 +110,138 @@ def _stage_page(tile, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_bl
 
 
 @gluon.constexpr_function
-def _chunks():
-    """[BLOCK_N, 2, 64]: two 64-channel chunks of e4m3 bytes a row over one warpgroup, 16 consecutive
-    bytes of each chunk a thread (four threads a row, eight rows a warp, two rows a thread)."""
-    return gl.BlockedLayout([1, 2, 16], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+def _chunk():
+    """[BLOCK_N, 64]: one 64-channel chunk of e4m3 bytes a row over one warpgroup, 16 consecutive bytes
+    a thread (four threads a row, eight rows a warp, two rows a thread)."""
+    return gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
 def _rope():
-    """[BLOCK_N, 2, 32] bf16 rope: its halves over the same threads and rows as `_chunks`."""
-    return gl.BlockedLayout([1, 2, 8], [8, 1, 4], [4, 1, 1], [2, 1, 0])
+    """[BLOCK_N, 64] bf16 rope over the same threads and rows as `_chunk`, 16 bytes a thread."""
+    return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
 def _rows():
     """One value a key row (lookups, masks, scale words), held by the threads that load the row."""
-    return gl.SliceLayout(1, gl.SliceLayout(2, _chunks()))
+    return gl.SliceLayout(1, _chunk())
+
+
+@gluon.constexpr_function
+def _staged():
+    """A staged chunk [BLOCK_N, 64] of e4m3 bytes in shared memory: 16-byte vectors, XOR-swizzled
+    over four 64-byte rows so that a warp's eight rows of `_chunk` reads hit distinct banks."""
+    return gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
 
 
 @gluon.jit
-def _row3(v):
-    """A [BLOCK_N] row value as [BLOCK_N, 1, 1] in `_chunks`."""
-    return gl.expand_dims(gl.expand_dims(v, 1), 2)
+def _chunk_ptrs(ckv_ptr, kv, ok, C: gl.constexpr, NOPE: gl.constexpr):
+    """Pointers and mask of chunk C of the tile's rows (kv: row offsets in bytes, `_rows`)."""
+    j = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, _chunk())), 0) + C * 64
+    return ckv_ptr + gl.expand_dims(kv, 1) + j, gl.expand_dims(ok, 1) & (j < NOPE)
 
 
 @gluon.jit
-def _load_chunks(ckv_ptr, kv3, ok3, C0: gl.constexpr, NOPE: gl.constexpr):
-    """The e4m3 bytes of chunks C0, C0 + 1 of the tile's rows (kv3: row offsets; chunks past NOPE
-    read as zeros), a load left in flight."""
-    L: gl.constexpr = _chunks()
-    c = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
-    j = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-    d = (gl.expand_dims(gl.expand_dims(c, 0), 2) + C0) * 64 + gl.expand_dims(gl.expand_dims(j, 0), 1)
-    return gl.load(ckv_ptr + kv3 + d, mask=ok3 & (d < NOPE), other=0.0)
+def _store_chunk(kt, x, sw, C: gl.constexpr):
+    """x [BLOCK_N, 64] e4m3 -> fp16 x 2^(e - 127), e the row's scale byte C (exact for scales 2^-15 ..
+    2^7, as `decode_common.key_operand`) into columns C * 64 .. of the key tile."""
+    e = ((sw >> (8 * C)) & 0xFF).to(gl.int32)
+    f = (e << 23).to(gl.float32, bitcast=True).to(gl.float16)
+    kt.slice(C * 64, 64, dim=1).store(x.to(gl.float16) * gl.expand_dims(f, 1))
 
 
 @gluon.jit
-def _store_chunks(kt, x, sw3, C0: gl.constexpr, NOPE: gl.constexpr):
-    """x [BLOCK_N, 2, 64] e4m3 -> fp16 x 2^(e - 127) per chunk (exact for scales 2^-15 .. 2^7, as
-    `decode_common.key_operand`; a chunk past NOPE x 0) into columns C0 * 64 .. of the key tile."""
-    L: gl.constexpr = _chunks()
-    c = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, L))), 0), 2) + C0
-    sb = ((sw3 >> (8 * c).to(gl.uint64)) & 0xFF).to(gl.int32)
-    f = gl.where(c < NOPE // 64, (sb << 23).to(gl.float32, bitcast=True), 0.0).to(gl.float16)
-    kt.slice(C0 * 64, 128, dim=1).store(gl.reshape(x.to(gl.float16) * f, [_BN, 128]))
+def _stage_copies(raw_s, ckv_ptr, kv, ok, NOPE: gl.constexpr):
+    """cp.async of chunks 0 .. 3 of a tile's rows into raw_s (one commit group). Copied and
+    read back in the same layout, each thread's reads are its own copies: its wait_group suffices."""
+    for c in gl.static_range(_ST):
+        ptrs, m = _chunk_ptrs(ckv_ptr, kv, ok, c, NOPE)
+        _async_load(raw_s.index(c), ptrs, mask=m)
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _loader(k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+def _tile_rows(tile, blk, row, ok, slot, n_wt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr,
+               s_csp, s_csr, ring_kv, ring_rope, ring_sc):
+    """A tile's row offsets (e4m3 bytes, rope, scale word) addressed from the pool's bases (the ring's
+    at ring_* + the request's slot): no pointer selects."""
+    win = tile < n_wt
+    page = gl.maximum(blk, 0).to(gl.int64)
+    r = row.to(gl.int64)
+    kv = gl.multiple_of(gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr), 16)
+    rp = gl.multiple_of(gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr), 8)
+    sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
+    return kv, rp, sc
+
+
+@gluon.jit
+def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
             s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
             ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
             n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
-    # the lookups run in the rows' threads: no layout conversion between them and the loads
+    # A tile's first STAGED chunks reach shared memory by cp.async a tile ahead; its other chunks,
+    # rope and key mask are loaded into registers at the top of its iteration and used after the
+    # staged chunks are dequantised. The tile's proxy fence (before the MMAs read it) waits for every
+    # load a thread has in flight, but not for cp.async copies: register loads cannot stay in flight
+    # across it, the staged chunks do.
+    # The lookups run in the rows' threads: no layout conversion between them and the loads.
     KL: gl.constexpr = _rows()
-    RO: gl.constexpr = _rope()
-    hr = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, RO)))
-    jr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, RO)))
-    dr = gl.expand_dims(gl.expand_dims(hr, 0), 2) * 32 + gl.expand_dims(gl.expand_dims(jr, 0), 1)
-    RO_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, RO))
+    RL: gl.constexpr = _rope()
+    RROWS: gl.constexpr = gl.SliceLayout(1, RL)
+    jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
+    strides = (s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr)
+    # tile `split`: its rows, staged chunks and scale words in flight; tile split + n_split's page
+    # lookups and tile split + 2 n_split's index lookups
     wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
     blk, row, ok = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
     wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
+    kv, rp, sc = _tile_rows(split, blk, row, ok, slot, n_wt, *strides, ring_kv, ring_rope, ring_sc)
+    _stage_copies(raw_s, ckv_ptr, kv, ok, NOPE)
+    sw = gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0)
+    blk_n, row_n, ok_n = _stage_page(split + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
+                                     max_blocks, MODE, KL)
+    wv, ev = _stage_index(split + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
+                          MODE, KL)
     for it in range(0, mine):
         tile = split + it * n_split
         buf = it % 2
-        win = tile < n_wt
-        page = gl.maximum(blk, 0).to(gl.int64)
-        r = row.to(gl.int64)
-        # rows addressed from the pool's bases (the ring's at ring_* + the request's slot): no selects
-        kv3 = _row3(gl.multiple_of(gl.where(win, ring_kv + slot * s_wkp + r * s_wkr, page * s_ckp + r * s_ckr), 16))
-        rp = gl.multiple_of(gl.where(win, ring_rope + slot * s_wrp + r * s_wrr, page * s_crp + r * s_crr), 8)
-        sc = gl.where(win, ring_sc + slot * s_wsp + r * s_wsr, page * s_csp + r * s_csr)
-        ok3 = _row3(ok)
-        # every load of the tile in flight at once (four pairs of chunks, the rope, the scales) ...
-        sw3 = _row3(gl.load((csc_ptr + sc).to(gl.pointer_type(gl.uint64)), mask=ok, other=0))
-        x0 = _load_chunks(ckv_ptr, kv3, ok3, 0, NOPE)
-        x1 = _load_chunks(ckv_ptr, kv3, ok3, 2, NOPE)
-        x2 = _load_chunks(ckv_ptr, kv3, ok3, 4, NOPE)
-        x3 = _load_chunks(ckv_ptr, kv3, ok3, 6, NOPE)
-        rp3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(rp, RO_ROWS), 1), 2)
-        okr = gl.expand_dims(gl.expand_dims(gl.convert_layout(ok, RO_ROWS), 1), 2)
-        xr = gl.load(crope_ptr + rp3 + dr, mask=okr & (dr < 64), other=0.0)
-        bias = gl.where(ok, 0.0, float("-inf"))
-        # ... and the lookups of the next tiles behind them
-        blk, row, ok = _stage_page(tile + n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks,
-                                   MODE, KL)
-        wv, ev = _stage_index(tile + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
-                              MODE, KL)
-        # the tile's buffer is free once both MMA warpgroups are done with tile it - 2
+        # this tile's register chunks and rope, and the next tile's scale words, in flight ...
+        p4, m4 = _chunk_ptrs(ckv_ptr, kv, ok, 4, NOPE)
+        p5, m5 = _chunk_ptrs(ckv_ptr, kv, ok, 5, NOPE)
+        p6, m6 = _chunk_ptrs(ckv_ptr, kv, ok, 6, NOPE)
+        x4 = gl.load(p4, mask=m4, other=0.0)
+        x5 = gl.load(p5, mask=m5, other=0.0)
+        x6 = gl.load(p6, mask=m6, other=0.0)
+        rp2 = gl.expand_dims(gl.convert_layout(rp, RROWS), 1)
+        okr = gl.expand_dims(gl.convert_layout(ok, RROWS), 1)
+        xr = gl.load(crope_ptr + rp2 + jr, mask=okr & (jr < 64), other=0.0)
+        kv_n, rp_n, sc_n = _tile_rows(tile + n_split, blk_n, row_n, ok_n, slot, n_wt, *strides, ring_kv, ring_rope,
+                                      ring_sc)
+        sw_n = gl.load((csc_ptr + sc_n).to(gl.pointer_type(gl.uint64)), mask=ok_n, other=0)
+        # ... under the staged chunks' dequantisation, once both MMA warpgroups are done with tile it - 2
+        async_copy.wait_group(0)
         mbarrier.wait(k_free.index(buf), ((it // 2) & 1) ^ 1)
         kt = k_s.index(buf)
-        bias_s.index(buf).store(bias)
-        _store_chunks(kt, x3, sw3, 6, NOPE)       # chunk 7's zeros go where the rope goes ...
-        _store_chunks(kt, x0, sw3, 0, NOPE)
-        _store_chunks(kt, x1, sw3, 2, NOPE)
-        _store_chunks(kt, x2, sw3, 4, NOPE)
-        _barrier()                                # ... before the rope
-        kt.slice(NOPE, 64, dim=1).store(gl.reshape(xr.to(gl.float16), [_BN, 64]))
+        bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
+        for c in gl.static_range(_ST):
+            _store_chunk(kt, raw_s.index(c).load(_chunk()), sw, c)
+        # the next tile's staged chunks (each thread overwrites only the bytes it has just read)
+        _stage_copies(raw_s, ckv_ptr, kv_n, ok_n, NOPE)
+        blk_n, row_n, ok_n2 = _stage_page(tile + 2 * n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
+                                          max_blocks, MODE, KL)
+        wv, ev = _stage_index(tile + 3 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
+                              MODE, KL)
+        _store_chunk(kt, x4, sw, 4)
+        _store_chunk(kt, x5, sw, 5)
+        _store_chunk(kt, x6, sw, 6)
+        kt.slice(NOPE, 64, dim=1).store(xr.to(gl.float16))
         fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
         _barrier()                      # ... from all four warps before the one arrive
         mbarrier.arrive(k_ready.index(buf), count=1)
+        kv, rp, ok, sw = kv_n, rp_n, ok_n, sw_n
+        ok_n = ok_n2
+    async_copy.wait_group(0)            # no copy outlives the program
 
 
 @gluon.jit
@@ -332,6 +370,7 @@ def _wide_kernel(
     p_s = gl.allocate_shared_memory(gl.float16, [2, H, _BN], P_SL)
     a_s = gl.allocate_shared_memory(gl.float32, [2, H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias_s = gl.allocate_shared_memory(gl.float32, [2, _BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    raw_s = gl.allocate_shared_memory(gl.float8e4nv, [_ST, _BN, 64], _staged())
     l_s = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -361,7 +400,7 @@ def _wide_kernel(
                    part_ptr, pml_ptr, s_pb, s_ps, s_ph, b, split, n_split, mine, qk_scale, D, H)),
         (_values, (q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph,
                    b, split, mine, D, H)),
-        (_loader, (k_s, bias_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+        (_loader, (k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
                    s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp,
                    s_csr, ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
                    max_blocks, n_comp, MODE, NOPE)),
