@@ -11,7 +11,7 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            `linear_pair`)
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
-           top-k; HCA: q norm/RoPE (from Q_AFTER_JOIN_ROWS rows: after the join)
+           top-k; HCA: q norm/RoPE (FP8 layers from Q_AFTER_JOIN_ROWS rows: after the join)
     table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
            norm/RoPE inside the writes); CSA: -> [cos/sin ready] kv norm/RoPE -> window append,
@@ -135,7 +135,7 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
             q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     if table_ready is not None:
         main.wait_event(table_ready)
-    q_after_join = b.num_requests >= Q_AFTER_JOIN_ROWS
+    q_after_join = b.num_requests >= Q_AFTER_JOIN_ROWS and "q_a" not in blk.dense_inputs()   # FP8 weights
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
     elif not q_after_join:
@@ -187,11 +187,13 @@ def _append_window(blk, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: t
 #: 84.2-84.4, B = 1 63.0 -> 62.6-62.8, BF16 within -0.5; CSA BF16 B = 1 111.3 -> 112.5-112.8 (B = 16 / 64
 #: -0.8 to -1.0, FP8 +0.4 to 0), so CSA keeps its window after the compressors (benchmarks/NOTES.md #163)
 WINDOW_ON_TABLE = (AttentionType.HCA,)
-#: from this many rows, HCA / SWA steps normalise and rotate q after the branches' join, right before
-#: the attention (which then follows its queries' kernel on one stream, presumably keeping the
-#: programmatic dependent launch a join in between breaks). H200, 128K, two rounds, before -> after
-#: the join, µs: HCA FP8 B = 16 84.6 / 84.5 -> 82.8 / 83.2, B = 64 122.5 / 121.0 -> 120.7 / 120.3, BF16
-#: even; at one row the norm is off the critical path before the join (BF16 82.4 / 82.5 -> 84.3 / 84.0)
+#: from this many rows, HCA / SWA steps of a layer with FP8 input weights normalise and rotate q after
+#: the branches' join, right before the attention (which then follows its queries' kernel on one
+#: stream, presumably keeping the programmatic dependent launch a join in between breaks). 128K, two
+#: rounds, before -> after the join, µs: H200 HCA FP8 B = 16 84.6 / 84.5 -> 82.8 / 83.2, B = 64 122.5 /
+#: 121.0 -> 120.7 / 120.3 (BF16 even); H100 FP8 B = 2 87.9 / 87.8 -> 86.0 / 86.4, B = 4 87.5 / 87.4 ->
+#: 85.4 / 85.9, B = 8 92.2 / 91.9 -> 90.7 / 90.7, but BF16 B = 2-8 +0.8 to +1.7, and at one row both
+#: lose (H200 BF16 82.4 / 82.5 -> 84.3 / 84.0): there the norm is off the critical path before the join
 Q_AFTER_JOIN_ROWS = 2
 
 #: the input projections the compressors read (the side branch): where exactly these are held dense and
