@@ -187,7 +187,7 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
             s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
             ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
             n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
-    # A tile's first STAGED chunks reach shared memory by cp.async a tile ahead; its other chunks,
+    # A tile's first four chunks reach shared memory by cp.async a tile ahead; its other chunks,
     # rope and key mask are loaded into registers at the top of its iteration and used after the
     # staged chunks are dequantised. The tile's proxy fence (before the MMAs read it) waits for every
     # load a thread has in flight, but not for cp.async copies: register loads cannot stay in flight
@@ -235,7 +235,7 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
             _store_chunk(kt, raw_s.index(c).load(_chunk()), sw, c)
         # the next tile's staged chunks (each thread overwrites only the bytes it has just read)
         _stage_copies(raw_s, ckv_ptr, kv_n, ok_n, NOPE)
-        blk_n, row_n, ok_n2 = _stage_page(tile + 2 * n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
+        blk_n, row_n, ok_nn = _stage_page(tile + 2 * n_split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb,
                                           max_blocks, MODE, KL)
         wv, ev = _stage_index(tile + 3 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
                               MODE, KL)
@@ -246,8 +246,8 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
         fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
         _barrier()                      # ... from all four warps before the one arrive
         mbarrier.arrive(k_ready.index(buf), count=1)
-        kv, rp, ok, sw = kv_n, rp_n, ok_n, sw_n
-        ok_n = ok_n2
+        kv, rp, ok, sw = kv_n, rp_n, ok_n, sw_n      # tile + n_split's
+        ok_n = ok_nn                                # tile + 2 n_split's, with blk_n and row_n
     async_copy.wait_group(0)            # no copy outlives the program
 
 
