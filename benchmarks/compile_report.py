@@ -1,6 +1,7 @@
 """Registers, spills and tensor-core instructions of the decode kernels' variants, without a GPU.
 
     python benchmarks/compile_report.py            # V4-Flash shapes, sm_90, the variants below
+    SASS_DIR=dir [PTX=1] python benchmarks/compile_report.py wide   # each kernel's SASS (and PTX) in dir
 
 Triton compiles for sm_90 on any machine (its wheel carries ptxas and cuobjdump): each op wrapper
 is called on CPU tensors of a small V4-shaped cache with its kernel launch intercepted, the
@@ -84,6 +85,9 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
         with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.{len(os.listdir(os.environ['SASS_DIR']))}.sass"),
                   "w") as f:
             f.write(sass)
+        if os.environ.get("PTX"):         # the PTX beside it: which fence or wait ptxas was given
+            with open(f.name[:-len(".sass")] + ".ptx", "w") as g:
+                g.write(k.asm["ptx"])
     return {"reg": int(m[1]), "stack": int(m[2]), "smem": k.metadata.shared, "LDL": sass.count("LDL"),
             "STL": sass.count("STL"), "HGMMA": sass.count("HGMMA"), "HMMA": sass.count("HMMA"),
             "instr": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))}
@@ -182,7 +186,9 @@ def main() -> int:
             s2, stt, p2 = mgr.schemas[li], mgr.states[li], mgr.paged[li]
             sel = torch.arange(512).repeat(2, 1) if kind == "csa" else None
             ne = None if kind == "csa" else b.seq_lens // s2.compress_ratio
-            aargs = (torch.randn(2, 64, 512), stt.swa, s2.kv_format, stt.swa_pos, b.request_slots, b.positions, 128,
+            # a bf16 q, as the layer passes it
+            aargs = (torch.randn(2, 64, 512).bfloat16(), stt.swa, s2.kv_format, stt.swa_pos, b.request_slots,
+                     b.positions, 128,
                      p2.kv, b.block_table, s2.entries_per_block, sel, ne, b.seq_len_bound // s2.compress_ratio,
                      torch.randn(64), 512 ** -0.5)
             from dsv4.kernels.triton import decode_attention_wide as dw
