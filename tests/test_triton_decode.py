@@ -644,7 +644,8 @@ def test_attention_halves_default(layer):
 def test_attention_wide(layer):
     """The wide scheme (Gluon, one warp-specialised program per request and split: loader, scores and
     values warpgroups over two 64-key tiles) against the reference: ragged lengths across the tile,
-    window and 128 / 256 boundaries, several splits (a split with no tile included), and a CUDA-graph
+    window and 128 / 256 boundaries, several splits (a split with no tile included), fp32 and bf16
+    queries (a bf16 q is copied into shared memory as is and converted there), and a CUDA-graph
     replay after the metadata and the queries change in place."""
     if not (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and att.dw is not None
             and att.dw.GLUON_OK):
@@ -654,6 +655,10 @@ def test_attention_wide(layer):
     want = ref.decode_attention(*args)
     for splits in (None, 1, 5, 40):
         close(tri.decode_attention(*args, scheme="wide", num_splits=splits), want, TOL["fp16"])
+    bf = [args[0].bfloat16(), *args[1:]]
+    want_bf = ref.decode_attention(*bf)
+    for splits in (None, 5):
+        close(tri.decode_attention(*bf, scheme="wide", num_splits=splits), want_bf, TOL["fp16"])
     # the default from 4 requests of 64 heads
     assert torch.equal(tri.decode_attention(*args), tri.decode_attention(*args, scheme="wide"))
     graph_replay_matches(args, layer, "wide")
