@@ -33,7 +33,10 @@ of a tile in registers the loader waited out each tile's DRAM latency, since the
 the MMAs read a tile waits for every load the thread has in flight; cp.async copies are not waited
 for, so the staged chunks arrive under the previous tile's work: 2.65 µs a tile (H100,
 `benchmarks/wide_phases.py`, HCA B = 64, op 128K 44.9 -> 40.9 µs, 512K 117.6 -> 104.0; CSA 33.0 ->
-30.1). Staging six chunks in the room of one of the two p tiles was slower (HCA 128K 44.0 µs).
+30.1). Staging six chunks in the room of one of the two p tiles was slower (HCA 128K 44.0 µs), and so
+were L2 prefetches of the next tiles, other orders of the loop, the staged chunks read together, a
+cp.async copy of a bf16 q, and the rope stored by the values warpgroup (benchmarks/NOTES.md, forty-first
+round): the loader issues on ~15% of its cycles and waits out shared-memory and DRAM latency the rest.
 
 Why: the first form of this scheme was one 8-warp program running each tile's steps one after
 another (cp.async copies, dequantisation, S, softmax, p . V) with two warps a scheduler to hide
