@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute of the wide decode attention kernel alone (one device call, from the repo root), as
 # `wide_phases.py` launches it: speed of light, warp states, and the stall samples per SASS instruction
-# ($OUT/sass_wide.csv; summarised by benchmarks/ncu_sass.py). The kernel's three warpgroups are
-# consecutive code regions (values, loader, scores): split the samples by address to see each role.
+# ($OUT/sass_wide.csv; summarised by benchmarks/ncu_sass.py, which also splits the samples by the
+# kernel's warpgroups: values, loader, then scores with the parent's code).
 #   KINDS=hca BATCHES=64 CTX=131072 bash benchmarks/ncu_wide.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}; mkdir -p "$OUT"
