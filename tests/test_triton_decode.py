@@ -451,6 +451,21 @@ def test_attention_real_dims_64_heads():
     close(tri.decode_attention(*args, num_splits=2, block_h=16), ref.decode_attention(*args), TOL["bf16"])
 
 
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+def test_attention_128_heads(layer):
+    """V4-Pro's head count at D 512 (fp8_ds entries): the default scheme (halves at bf16 operands, two
+    head blocks of 64 a program pair), the fused kernel over head blocks of 16 with three splits, and
+    the two-pass scheme; ragged lengths across the 128 / 256 boundaries. The wide scheme takes 64
+    heads only and says so."""
+    args = attention_args("real", "fp8_ds", layer, 128, (3, 128, 129, 257), topk=48)
+    want = ref.decode_attention(*args)
+    close(tri.decode_attention(*args), want, TOL["fp16"])
+    close(tri.decode_attention(*args, block_h=16, num_splits=3), want, TOL["bf16"])
+    close(tri.decode_attention(*args, scheme="two_pass", value_splits=1), want, TOL["bf16"])
+    with pytest.raises(InputError, match="64 heads"):
+        tri.decode_attention(*args, scheme="wide")
+
+
 @pytest.mark.parametrize("layer,precision", [(CSA, "bf16"), (HCA, "bf16x2")], ids=["csa-bf16", "hca-bf16x2"])
 def test_attention_two_pass_tiles(layer, precision):
     """Two-pass scheme with pass-1 and pass-2 tiles of different sizes and three score splits."""
