@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
         return 1
     lo, hi = min(inner, key=lambda s: s[1] - s[0])
     body = [x for x in ins if lo <= x.addr <= hi]
-    load_sbs = {x.write_sb for x in body if x.text.lstrip("@!P0123456789 ").startswith("LDG.") and x.write_sb is not None}
+    load_sbs = {x.write_sb for x in body
+                if x.text.lstrip("@!P0123456789 ").startswith("LDG.") and x.write_sb is not None}
     print(f"loop {lo:05x}-{hi:05x}: {len(body)} instructions, LDL {sum('LDL' in x.text for x in body)}, "
           f"STL {sum('STL' in x.text for x in body)}, global loads on scoreboards {sorted(load_sbs)}")
     for x in body:
