@@ -1,6 +1,6 @@
 """Per-kernel device time of the decode top-k's paths (CUDA-graph replays, as tune_decode times them).
 
-    python benchmarks/topk_parts.py [--batches 1,4,8,16,32,64] [--n 32768] [--k 512] [--parts | --given]
+    python benchmarks/topk_parts.py [--batches 1,4,8,16,32,64] [--n 32768] [--k 512] [--parts]
 
 Paths: the filter (`_group_max_kernel`, then `_filter_kernel` with the select over the candidates) and the two stages
 (chunks' top-k, then the top-k of their picks), whole per batch size (where the filter's default
@@ -92,47 +92,16 @@ def _time_pair(first: Callable[[], None], second: Callable[[], None], out: torch
     return graph_us(first), graph_us(second), graph_us(both)
 
 
-def given_parts(s: torch.Tensor, k: int) -> None:
-    """The filter with the indexer scan's group maxima handed in (2,112 groups of 64-score period, as the
-    TMA scan keeps them at B = 64): the bound kernel and the chunks' filter programs against one program
-    a row (`_row_filter_kernel`) over its block sizes and warps."""
-    bits = s.view(torch.int32)
-    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
-    i = torch.arange(s.shape[1], device=s.device)
-    grp = (i // 64) % 33 * 64 + i % 64
-    gk = torch.full((s.shape[0], 2112), -2 ** 31, dtype=torch.int64, device=s.device)
-    gk = gk.scatter_reduce_(1, grp.expand_as(keys), keys, "amax").to(torch.int32)
-    want = ref_topk(s, k)
-
-    def run(whole: bool) -> torch.Tensor:
-        return tk.topk_smaller_index(s, k, groups=2048, group_max=gk, whole_row=whole)
-
-    assert torch.equal(run(False), want)
-    line = [f"chunks {graph_us(lambda: run(False)):.1f}"]
-    saved = tk.ROW_FILTER_BLOCK, tk.ROW_FILTER_WARPS
-    for blk, warps in ((8192, 16), (4096, 16), (16384, 16), (32768, 16), (8192, 8), (4096, 8), (16384, 32),
-                       (8192, 32)):
-        tk.ROW_FILTER_BLOCK, tk.ROW_FILTER_WARPS = blk, warps
-        assert torch.equal(run(True), want), f"one program a row, block {blk} warps {warps}"
-        line.append(f"row {blk}/{warps}w {graph_us(lambda: run(True)):.1f}")
-    tk.ROW_FILTER_BLOCK, tk.ROW_FILTER_WARPS = saved
-    print(f"B={s.shape[0]} N={s.shape[1]} given maxima, µs: " + "  ".join(line), flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,4,8,16,32,64")
     p.add_argument("--n", type=int, default=32768)
     p.add_argument("--k", type=int, default=512)
     p.add_argument("--parts", action="store_true", help="each kernel alone, with launch variants")
-    p.add_argument("--given", action="store_true", help="only the filter with the scan's maxima handed in")
     a = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b in (int(x) for x in a.batches.split(",")):
         s = torch.randn(b, a.n, device="cuda", generator=gen)
-        if a.given:
-            given_parts(s, a.k)
-            continue
         two = tk.topk_smaller_index(s, a.k, chunk=tk.DEFAULT_CHUNK)
         assert torch.equal(two, ref_topk(s, a.k))
         ng = tk.FILTER_GROUPS * a.k

@@ -128,8 +128,7 @@ def _group_keys(scores: torch.Tensor, groups: int, period: int) -> torch.Tensor:
     (2000, 32, 32, 32, 128)])
 def test_topk_filter_given_maxima(n, k, groups, period, block):
     """The filter with group maxima handed in (the indexer scan's strided groups): every program finds
-    the bound from them, no maxima pass; or one program a row finds the bound, the candidates and the
-    picks (`whole_row`). Random and hard rows; groups with no score; exactly k groups
+    the bound from them, no maxima pass. Random and hard rows; groups with no score; exactly k groups
     (the bound is then the least maximum); groups that hold whole runs of an ascending row."""
     gen = torch.Generator().manual_seed(n + groups)
     s = _rows(6, n, gen)
@@ -140,7 +139,6 @@ def test_topk_filter_given_maxima(n, k, groups, period, block):
     gk = _group_keys(s, groups, period)
     _check(s, k, groups=groups, block=block, group_max=gk)
     _check(s, k, groups=groups, block=block, filter_chunk=n // 3, group_max=gk)
-    _check(s, k, groups=groups, block=block, group_max=gk, whole_row=True)      # one program a row
     few = _group_keys(s, period, period)                 # fewer groups than k: not read, still exact
     _check(s, period + 1, groups=4 * (period + 1), group_max=few)
 
@@ -169,10 +167,6 @@ def test_topk_filter_hard_rows(block, fchunk):
     s[5, -3:] = _neg_nan(3)
     _check(s.to(DEVICE), k, groups=64, block=block, filter_chunk=fchunk)
     _check(s.to(DEVICE), 40, groups=128, block=block, filter_chunk=fchunk)
-    if fchunk is None:         # the same rows through one program a row, the scan's grouping handed in
-        s = s.to(DEVICE)
-        for kk, g in ((k, 64), (40, 128)):
-            _check(s, kk, groups=g, block=block, group_max=_group_keys(s, g, 16), whole_row=True)
 
 
 def test_topk_special_values():
@@ -204,26 +198,18 @@ def test_topk_v4_sizes(b, n):
         _check(rows, 512, **kw)
         _check(ties, 512, **kw)
         _check(ascending, 512, **kw)
-    for s in (rows, ties, ascending):            # the scan's maxima handed in: one program a row, and the chunks
-        gk = _group_keys(s, 2112, 64)
-        for whole in (True, False):
-            _check(s, 512, groups=2048, group_max=gk, whole_row=whole)
 
 
 @pytest.mark.gpu
 def test_topk_cuda_graph():
     gen = torch.Generator().manual_seed(0)
     s = _rows(8, 32768, gen).cuda()
-    gk = torch.empty(8, 2112, dtype=torch.int32, device="cuda")
-    for kw in ({}, {"groups": 2048}, {"groups": 2048, "group_max": gk, "whole_row": True}):
-        # two stages at 8 rows, the filter, and one program a row with the maxima handed in
-        gk.copy_(_group_keys(s, 2112, 64))
+    for kw in ({}, {"groups": 2048}):       # two stages at 8 rows, and the filter
         tri_topk(s, 512, **kw)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = tri_topk(s, 512, **kw)
         for _ in range(2):
             s.copy_(_rows(8, 32768, gen).cuda())
-            gk.copy_(_group_keys(s, 2112, 64))
             g.replay()
             assert torch.equal(out, ref_topk(s, 512))

@@ -342,31 +342,12 @@ def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES
     merged group's maximum is the larger one) -> lb[b]. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
-    thr = _given_bound(gmax_ptr + b * g_row, n_groups, K, NG, PASSES, DIGIT)
-    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _given_bound(row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr, DIGIT: tl.constexpr):
-    """`_row_bound` of one row's n_groups given maxima (int32 keys at row[0 : n_groups]), those past NG
-    folded onto the first."""
     ga = tl.arange(0, NG)
+    row = gmax_ptr + b * g_row
     gk = tl.maximum(tl.load(row + ga, mask=ga < n_groups, other=-2147483648),
                     tl.load(row + NG + ga, mask=NG + ga < n_groups, other=-2147483648))
-    return _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
-
-
-@triton.jit
-def _compact_block(k, o, m, thr, crow, seen, n_inf):
-    """One block of a filter: the indices o of its keys k ([rows, ROW], valid where m) at or above thr,
-    -inf left out and counted, appended in index order to crow after the `seen` already there.
-    -> (seen, n_inf) with this block's counts added."""
-    is_inf = m & (k == 8388607)             # the unsigned key of -inf (0x007FFFFF)
-    v = (m & (k >= thr) & ~is_inf).to(tl.int32)
-    row_tot = tl.sum(v, 1)
-    before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
-    tl.store(crow + seen + before, o, mask=v == 1)
-    return seen + tl.sum(row_tot, 0), n_inf + tl.sum(tl.sum(is_inf.to(tl.int32), 1), 0)
+    thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
+    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -384,6 +365,7 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
     j = tl.program_id(1)
     row = s_ptr + b * s_row
     thr = tl.load(lb_ptr + b).to(tl.uint32, bitcast=True)
+    neg = 8388607               # the unsigned key of -inf (0x007FFFFF)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     lo = j * CH
     end = tl.minimum(lo + CH, N)
@@ -393,7 +375,14 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
     for start in range(lo, end, BLOCK):
         o = start + offs
         m = o < end
-        seen, n_inf = _compact_block(_ukeys(tl.load(row + o, mask=m, other=0.0)), o, m, thr, crow, seen, n_inf)
+        k = _ukeys(tl.load(row + o, mask=m, other=0.0))
+        is_inf = m & (k == neg)
+        v = (m & (k >= thr) & ~is_inf).to(tl.int32)
+        row_tot = tl.sum(v, 1)
+        before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
+        tl.store(crow + seen + before, o, mask=v == 1)
+        seen += tl.sum(row_tot, 0)
+        n_inf += tl.sum(tl.sum(is_inf.to(tl.int32), 1), 0)
     tl.store(cnt_ptr + b * 2 * SEGS + j, seen)
     tl.store(cnt_ptr + b * 2 * SEGS + SEGS + j, n_inf)
     tl.debug_barrier()
@@ -402,41 +391,9 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
                   SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg")
 
 
-@triton.jit
-def _row_filter_kernel(s_ptr, gmax_ptr, cand_ptr, cnt_ptr, lb_ptr, out_ptr, s_row, g_row, c_row, o_row, N, n_groups, K,
-                       NG: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                       SEL_BLOCK: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
-    """Program b: row b's whole filtered top-k in one program, its group maxima given (gmax[b]): the
-    bound (`_given_bound`), the candidates of the row's N scores in blocks of BLOCK (`_compact_block`;
-    the first block's load issued before the bound, so that its latency passes under it), then the
-    exact select over them (`_topk_row`) -> out[b]. The bound, the counts and the candidates go through
-    lb[b], cnt[b, 0:2] and cand[b] for the select, read back by this program after a barrier: one
-    launch, no arrival counts. PDL: see `pdl_enter`."""
-    pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    row = s_ptr + b * s_row
-    offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
-    m = offs < N
-    x = tl.load(row + offs, mask=m, other=0.0)
-    thr = _given_bound(gmax_ptr + b * g_row, n_groups, K, NG, PASSES, DIGIT)
-    crow = cand_ptr + b * c_row
-    seen, n_inf = _compact_block(_ukeys(x), offs, m, thr, crow, tl.zeros([], tl.int32), tl.zeros([], tl.int32))
-    for start in range(BLOCK, N, BLOCK):
-        o = start + offs
-        m = o < N
-        seen, n_inf = _compact_block(_ukeys(tl.load(row + o, mask=m, other=0.0)), o, m, thr, crow, seen, n_inf)
-    tl.store(cnt_ptr + b * 2, seen)
-    tl.store(cnt_ptr + b * 2 + 1, n_inf)
-    tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
-    tl.debug_barrier()          # every thread's candidates and counts written before any thread reads them
-    _topk_row(b, 0, s_ptr, cand_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, c_row, o_row, N, K, N, 1,
-              SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, 1, ".cg")
-
-
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
                        chunk: int | None = None, digit: int | None = None, groups: int | None = None,
-                       filter_chunk: int | None = None, group_max: torch.Tensor | None = None,
-                       whole_row: bool | None = None) -> torch.Tensor:
+                       filter_chunk: int | None = None, group_max: torch.Tensor | None = None) -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
     Long rows of a large batch on CUDA run through a filter (`groups` group maxima per row, default
@@ -453,9 +410,6 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     key of a score of its group, or INT32_MIN for an empty group), e.g. from the indexer scan
     (`indexer_scores.scores_and_maxima`). Where the filter runs and k <= G <= GIVEN_GROUPS_MAX, its
     bound comes from these (no pass over the scores for maxima); otherwise they are not read.
-    whole_row: with group_max read, one program a row finds the bound, the candidates and the picks
-    (`_row_filter_kernel`, one launch) instead of the bound kernel and the chunks' filter programs;
-    default on CUDA for rows of at most ROW_FILTER_MAX_N scores.
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
@@ -475,12 +429,7 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
         given = group_max is not None and group_max.shape[0] == bsz and k <= group_max.shape[1] <= GIVEN_GROUPS_MAX
         if given:
             assert group_max.dtype == torch.int32 and group_max.stride(1) == 1, "group_max: [B, G] int32 keys"
-        if not given:
-            whole_row = False
-        elif whole_row is None:
-            whole_row = cuda and n <= ROW_FILTER_MAX_N
-        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit, group_max if given else None,
-                whole_row)
+        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit, group_max if given else None)
         return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
@@ -517,11 +466,6 @@ FILTER_CHUNK = 4096
 GIVEN_GROUPS_MAX = 8192
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
-#: scores a row up to which the filter with given maxima runs in one program a row (`_row_filter_kernel`)
-ROW_FILTER_MAX_N = 32768
-#: scores a block of `_row_filter_kernel`'s filter, and its warps
-ROW_FILTER_BLOCK = 8192
-ROW_FILTER_WARPS = 16
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
 
@@ -562,32 +506,12 @@ def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, 
     return ch, p, g
 
 
-def _folded_groups(group_max: torch.Tensor, k: int) -> int:
-    """The given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)."""
-    return max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
-
-
 def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
-            num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None,
-            whole_row: bool = False) -> None:
+            num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None) -> None:
     """Two launches: the group maxima and the row's bound (with group_max given: the bound alone, a
-    program a row), then the candidates and the exact select. whole_row (group_max given): one launch
-    of `_row_filter_kernel`."""
+    program a row), then the candidates and the exact select."""
     bsz, n = scores.shape
     dev = scores.device
-    if whole_row:
-        ngf = _folded_groups(group_max, k)
-        cand = torch.empty(bsz, n, dtype=torch.int32, device=dev)
-        counts = torch.empty(bsz, 2, dtype=torch.int32, device=dev)
-        bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-        blk = block or min(triton.next_power_of_2(n), ROW_FILTER_BLOCK if cuda else 1024)
-        _row_filter_kernel[(bsz,)](scores, group_max, cand, counts, bound, out, scores.stride(0), group_max.stride(0),
-                                   cand.stride(0), out.stride(0), n, group_max.shape[1], k, NG=ngf,
-                                   PASSES=FILTER_PASSES, BLOCK=blk, ROW=min(32, blk),
-                                   SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k),
-                                   DIGIT=digit or DIGIT, num_warps=num_warps or (ROW_FILTER_WARPS if cuda else 4),
-                                   **pdl_launch(dev))
-        return
     ch, p, g = filter_layout(n, ng, chunk, cuda)
     cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
     counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
@@ -601,7 +525,8 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
                                     STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
                                     PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     else:
-        ngf = _folded_groups(group_max, k)
+        # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)
+        ngf = max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
         _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k, NG=ngf,
                               PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
