@@ -126,13 +126,15 @@ def test_indexer_scores_formats(fmt, heads):
 
 @pytest.mark.parametrize("k", [5, 40])
 def test_decode_indexer_topk_op(k):
-    """The fused op of each backend is its top-k of its scores (ragged requests, k past a request's
-    entries: -1 padded), and both namespaces export the same ops."""
+    """The fused op of each backend is its top-k of its scores in index order (ragged requests, k past a
+    request's entries: -1 padded), and both namespaces export the same ops."""
     from dsv4.kernels.dispatch import _reference
     from dsv4.kernels.triton.ops import namespace
     args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
-    assert torch.equal(tri.decode_indexer_topk(*args, k), ref.topk_smaller_index(tri.paged_indexer_scores(*args), k))
-    assert torch.equal(ref.decode_indexer_topk(*args, k), ref.topk_smaller_index(ref.paged_indexer_scores(*args), k))
+    for ns in (tri, ref):
+        top = ns.decode_indexer_topk(*args, k)
+        assert torch.equal(top, ref.topk_smaller_index(ns.paged_indexer_scores(*args), k, order="index"))
+        assert (top[:, 1:] > top[:, :-1]).logical_or(top[:, 1:] == -1).all()
     assert set(vars(_reference())) == set(vars(namespace()))
 
 
@@ -342,10 +344,10 @@ def test_decode_indexer_topk_scan_maxima(programs, int8):
     assert torch.equal(gm.long(), want)
     assert 512 <= gm.shape[1] <= topk.GIVEN_GROUPS_MAX and bsz >= topk.FILTER_MIN_ROWS
     top = tri.decode_indexer_topk(*args, 512, tma=True, tma_int8=int8, num_programs=programs)
-    assert torch.equal(top, ref.topk_smaller_index(scores, 512))
+    assert torch.equal(top, ref.topk_smaller_index(scores, 512, order="index"))
     high = gm.clone()
     high[:, :600] = 2 ** 31 - 1
-    assert not torch.equal(tri.topk_smaller_index(scores, 512, group_max=high), top)
+    assert not torch.equal(tri.topk_smaller_index(scores, 512, group_max=high, order="index"), top)
 
 
 @pytest.mark.gpu

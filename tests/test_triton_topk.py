@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4.errors import InputError
 from dsv4.kernels.reference.decode import topk_smaller_index as ref_topk
 from dsv4.kernels.triton.topk import topk_smaller_index as tri_topk
 
@@ -33,7 +34,7 @@ def _rows(b: int, n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _check(scores: torch.Tensor, k: int, **kw) -> None:
-    got, want = tri_topk(scores, k, **kw), ref_topk(scores, k)
+    got, want = tri_topk(scores, k, **kw), ref_topk(scores, k, order=kw.get("order", "score"))
     assert got.dtype == torch.int64 and got.shape == want.shape
     bad = (got != want).nonzero()
     assert bad.numel() == 0, f"first differences at {bad[:4].tolist()}: got {got[tuple(bad[:4].T)].tolist()}, " \
@@ -44,6 +45,26 @@ def _check(scores: torch.Tensor, k: int, **kw) -> None:
 def test_topk_matches_reference(n, k):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     _check(_rows(6, n, gen).to(DEVICE), k)
+    _check(_rows(6, n, gen).to(DEVICE), k, order="index")
+
+
+def test_topk_index_order_reference():
+    """order "index" is order "score"'s picks above -inf (not -inf, not a NaN with its sign bit set),
+    ascending, then -1: checked against a plain reading of that, on rows with -inf and negative NaN
+    picks, ties and fewer scores than k."""
+    gen = torch.Generator().manual_seed(2)
+    s = _rows(6, 50, gen)
+    s[0, 3:9] = _neg_nan(6)
+    s[0, 20:] = float("-inf")
+    for k in (8, 30, 64):
+        by_score, by_index = ref_topk(s, k), ref_topk(s, k, order="index")
+        for r in range(s.shape[0]):
+            picks = [i for i in by_score[r].tolist() if i >= 0 and not torch.isnan(s[r, i])]
+            assert by_index[r].tolist() == sorted(picks) + [-1] * (k - len(picks))
+    with pytest.raises(InputError):
+        ref_topk(s, 4, order="value")
+    with pytest.raises(InputError):
+        tri_topk(s.to(DEVICE), 4, order="value")
 
 
 @pytest.mark.parametrize("n,k", [(300, 16), (130, 64)])
@@ -51,6 +72,7 @@ def test_topk_multi_block(n, k):
     """Rows longer than one block: the select passes re-read the row block by block."""
     gen = torch.Generator().manual_seed(n + k)
     _check(_rows(6, n, gen).to(DEVICE), k, block=64)
+    _check(_rows(6, n, gen).to(DEVICE), k, block=64, order="index")
 
 
 @pytest.mark.parametrize("n,k,chunk,block", [(300, 16, 32, None), (300, 16, 64, 32), (1000, 64, 64, None),
@@ -59,6 +81,7 @@ def test_topk_two_stage(n, k, chunk, block):
     """Chunks' top-k, then the top-k of the candidates (short last chunk, -inf tails, ties across chunks)."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     _check(_rows(6, n, gen).to(DEVICE), k, chunk=chunk, block=block)
+    _check(_rows(6, n, gen).to(DEVICE), k, chunk=chunk, block=block, order="index")
 
 
 def test_topk_two_stage_short_last_chunk_on_top():
@@ -108,6 +131,7 @@ def test_topk_filter(n, k, groups, block, fchunk):
     maxima and candidates side by side (segments of candidates, a short last chunk)."""
     gen = torch.Generator().manual_seed(n * 3 + k)
     _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block, filter_chunk=fchunk)
+    _check(_rows(6, n, gen).to(DEVICE), k, groups=groups, block=block, filter_chunk=fchunk, order="index")
 
 
 def _group_keys(scores: torch.Tensor, groups: int, period: int) -> torch.Tensor:
@@ -139,6 +163,8 @@ def test_topk_filter_given_maxima(n, k, groups, period, block):
     gk = _group_keys(s, groups, period)
     _check(s, k, groups=groups, block=block, group_max=gk)
     _check(s, k, groups=groups, block=block, filter_chunk=n // 3, group_max=gk)
+    _check(s, k, groups=groups, block=block, group_max=gk, order="index")
+    _check(s, k, groups=groups, block=block, filter_chunk=n // 3, group_max=gk, order="index")
     few = _group_keys(s, period, period)                 # fewer groups than k: not read, still exact
     _check(s, period + 1, groups=4 * (period + 1), group_max=few)
 
@@ -165,14 +191,18 @@ def test_topk_filter_hard_rows(block, fchunk):
     s[4, :] = 3.0
     s[5, 5:] = float("-inf")
     s[5, -3:] = _neg_nan(3)
-    _check(s.to(DEVICE), k, groups=64, block=block, filter_chunk=fchunk)
-    _check(s.to(DEVICE), 40, groups=128, block=block, filter_chunk=fchunk)
+    for order in ("score", "index"):
+        _check(s.to(DEVICE), k, groups=64, block=block, filter_chunk=fchunk, order=order)
+        _check(s.to(DEVICE), 40, groups=128, block=block, filter_chunk=fchunk, order=order)
+        _check(s.to(DEVICE), k, block=block, order=order)                  # one stage
+        _check(s.to(DEVICE), k, chunk=64, block=block, order=order)        # two stages
 
 
 def test_topk_special_values():
     s = torch.tensor([[0.0, -0.0, 0.0, -0.0, 1.0, float("-inf"), -1.0, float("nan"), 2.0, float("inf")]])
     for k in (1, 4, 10, 13):
         _check(s.to(DEVICE), k)
+        _check(s.to(DEVICE), k, order="index")
 
 
 def test_topk_strided_and_empty():
@@ -195,9 +225,12 @@ def test_topk_v4_sizes(b, n):
     ascending = torch.arange(n, device=DEVICE, dtype=torch.float32).repeat(b, 1)    # the filter's worst rows
     for kw in ({}, {"chunk": 0}, {"chunk": 2048}, {"chunk": 8192, "block": 4096}, {"groups": 1024},
                {"groups": 2048, "filter_chunk": 1 << 20}, {"groups": 2048, "filter_chunk": 16384}):
-        _check(rows, 512, **kw)
-        _check(ties, 512, **kw)
-        _check(ascending, 512, **kw)
+        for order in ("score", "index"):
+            _check(rows, 512, order=order, **kw)
+            _check(ties, 512, order=order, **kw)
+            _check(ascending, 512, order=order, **kw)
+    for s in (rows, ties, ascending):            # the scan's maxima handed in (its grouping at B = 64)
+        _check(s, 512, groups=2048, group_max=_group_keys(s, 2112, 64), order="index")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import EntryFormat
+from dsv4.errors import InputError
 from dsv4.kernels.reference.cache_ops import Views, read_rows
 from dsv4.kernels.reference.norm_rope import norm_rope
 
@@ -90,12 +91,23 @@ def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: View
     return score.masked_fill(~valid, float("-inf"))
 
 
-def topk_smaller_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+#: `topk_smaller_index` orders: "score" (descending, the reference's packed order) or "index"
+TOPK_ORDERS = ("score", "index")
+
+
+def topk_smaller_index(scores: torch.Tensor, k: int, order: str = "score") -> torch.Tensor:
     """[B, N] -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
 
     fp32 scores map to order-preserving int32 keys; (key << 32) | (2^31 - 1 - index) is then a
     unique int64 per entry, so torch.topk on it is exact and deterministic.
+
+    order "score": the picks by descending score (that packed order). order "index": the same picks
+    whose score is above -inf (a NaN with its sign bit set is not: its key is below -inf's), in
+    ascending index order, then -1. A set for the attention to read: it reads the cache in entry
+    order, and whoever picks can skip the sort by score.
     """
+    if order not in TOPK_ORDERS:
+        raise InputError(f"order must be one of {TOPK_ORDERS}, got {order!r}")
     n = scores.shape[1]
     kk = min(k, n)
     bits = scores.contiguous().view(torch.int32).long()
@@ -103,20 +115,29 @@ def topk_smaller_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.arange(n, device=scores.device)
     packed = (key << 32) | (0x7FFFFFFF - idx)
     top = torch.topk(packed, kk, dim=1).indices
-    picked = torch.gather(scores, 1, top)
-    out = torch.where(picked == float("-inf"), torch.full_like(top, -1), top)
+    if order == "index":
+        above = torch.gather(key, 1, top) > _NEG_INF_KEY
+        out = torch.where(above, top, torch.full_like(top, n)).sort(dim=1).values
+        out = torch.where(out == n, torch.full_like(out, -1), out)
+    else:
+        picked = torch.gather(scores, 1, top)
+        out = torch.where(picked == float("-inf"), torch.full_like(top, -1), top)
     if kk < k:
         out = torch.cat([out, torch.full((scores.shape[0], k - kk), -1, dtype=out.dtype, device=out.device)], 1)
     return out
 
 
+_NEG_INF_KEY = -2139095041          # the key of -inf: 0xFF800000 ^ 0x7FFFFFFF as int32
+
+
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, fmt: EntryFormat,
                         block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int, epb: int, k: int,
                         weight_scale: float = 1.0) -> torch.Tensor:
-    """A decode step's indexer selection: `topk_smaller_index` of `paged_indexer_scores` ([B, k] int64,
-    -1 padded); one op so that a backend may pass what its scan learns to its top-k."""
+    """A decode step's indexer selection: `topk_smaller_index` of `paged_indexer_scores` in index order
+    ([B, k] int64, the picked entries ascending, then -1); one op so that a backend may pass what its
+    scan learns to its top-k."""
     scores = paged_indexer_scores(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb, weight_scale)
-    return topk_smaller_index(scores, k)
+    return topk_smaller_index(scores, k, order="index")
 
 
 def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: torch.Tensor,

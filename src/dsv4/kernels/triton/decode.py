@@ -29,7 +29,7 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[
     `scores_and_maxima`'s keyword arguments."""
     scores, gmax = scores_and_maxima(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb,
                                      weight_scale, group_max=True, **tuning)
-    return topk_smaller_index(scores, k, group_max=gmax)
+    return topk_smaller_index(scores, k, group_max=gmax, order="index")
 
 
 __all__ = ["decode_attention", "decode_indexer_topk", "paged_indexer_scores", "topk_smaller_index"]

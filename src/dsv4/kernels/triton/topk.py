@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from dsv4.errors import InputError
+from dsv4.kernels.reference.decode import TOPK_ORDERS
 from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
 
 _NEG_INF_KEY = -2139095041          # the key of -inf: 0xFF800000 ^ 0x7FFFFFFF as int32
@@ -147,18 +148,18 @@ def _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen):
 def _topk_kernel(s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
                  BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr, FINAL: tl.constexpr,
                  FILTERED: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
-                 SEGS: tl.constexpr, PDL: tl.constexpr):
+                 SEGS: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
     """Program (b, g): `_topk_row` of row b, chunk g. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     _topk_row(tl.program_id(0).to(tl.int64), tl.program_id(1), s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row,
-              o_row, N, K, CHUNK, NB, BLOCK, K_PAD, INDIRECT, FINAL, FILTERED, DIGIT, ROW, BOUNDS, SEGS, "")
+              o_row, N, K, CHUNK, NB, BLOCK, K_PAD, INDIRECT, FINAL, FILTERED, DIGIT, ROW, BOUNDS, SEGS, "", ORDER)
 
 
 @triton.jit
 def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row, N, K, CHUNK, NB,
               BLOCK: tl.constexpr, K_PAD: tl.constexpr, INDIRECT: tl.constexpr, FINAL: tl.constexpr,
               FILTERED: tl.constexpr, DIGIT: tl.constexpr, ROW: tl.constexpr, BOUNDS: tl.constexpr,
-              SEGS: tl.constexpr, CM: tl.constexpr):
+              SEGS: tl.constexpr, CM: tl.constexpr, ORDER: tl.constexpr):
     """The top-min(K, n) of elements [g*CHUNK, g*CHUNK + n) of row b (n <= CHUNK),
     written sorted to out[b, g*K : g*K + K]. Elements are scores[b, j] (INDIRECT: scores[b, cand[b, j]],
     whose original index cand[b, j] is the one compared and written). FINAL: sorted, -1 for -inf picks
@@ -168,7 +169,9 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
     of elements is a [BLOCK // ROW, ROW] tile, ROW consecutive elements per row: the collect's scan runs
     along the rows in registers, then over the row totals. The first block stays in registers across
     the passes (all of the row when n <= BLOCK); later blocks are re-read. CM: the cache modifier of
-    the candidate and count loads (".cg" where other programs of the same kernel wrote them)."""
+    the candidate and count loads (".cg" where other programs of the same kernel wrote them). ORDER (FINAL):
+    0 the picks by descending score, 1 the picks above -inf in ascending index order, then -1 (FILTERED:
+    no candidate is at or below -inf, and the collect has written the picks in index order already)."""
     row = s_ptr + b * s_row
     irow = i_ptr + b * i_row + g * CHUNK
     orow = out_ptr + b * o_row + g * K
@@ -251,7 +254,20 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
 
     # ---- sort the picks in the reference's packed order, descending (FINAL only: a first stage's picks
     # stay in index order, which is what the second stage's tie rule needs)
-    if FINAL:
+    if FINAL and ORDER == 1 and FILTERED:
+        j = tl.arange(0, K_PAD)
+        tl.store(orow + j, tl.full([K_PAD], -1, tl.int64), mask=(j >= kk) & (j < K))
+    elif FINAL and ORDER == 1:
+        # the picks above -inf by ascending index, -1 after them: 2^31 - 1 - index sorted descending
+        tl.debug_barrier()      # the picks written by every thread, before any thread reloads them
+        j = tl.arange(0, K_PAD)
+        jm = j < kk
+        idx = tl.load(orow + j, mask=jm, other=0)
+        pk = _keys(tl.load(row + idx, mask=jm, other=0.0))
+        packed = tl.sort(tl.where(jm & (pk > -2139095041), 2147483647 - idx, -1), descending=True)
+        tl.debug_barrier()      # every thread has read the picks before any overwrites them
+        tl.store(orow + j, tl.where(packed >= 0, 2147483647 - packed, -1), mask=j < K)
+    elif FINAL:
         tl.debug_barrier()      # the picks written by every thread, before any thread reloads them
         j = tl.arange(0, K_PAD)
         jm = j < kk
@@ -353,13 +369,14 @@ def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES
 @triton.jit
 def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
                    SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
+                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): chunk j's candidates, the scores at or above row b's bound lb[b]
     (`_group_max_kernel` or `_bound_kernel`), whose indices go to cand[b, j*CH ...] in index order
-    (-inf scores left out and counted instead), their count to cnt[b, j] and the -inf count to
-    cnt[b, SEGS + j]. The row's last program to finish (counted in at arrive[b], zero before the
-    launch) then runs the exact select over the row's candidates (`_topk_row`, SEL_BLOCK of them held
-    in registers) and writes out[b]. PDL: see `pdl_enter`."""
+    (-inf scores left out and counted instead; ORDER 1: every score at or below -inf left out), their
+    count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]. The row's last program to finish
+    (counted in at arrive[b], zero before the launch) then runs the exact select over the row's
+    candidates (`_topk_row`, SEL_BLOCK of them held in registers) and writes out[b]. PDL: see
+    `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -377,7 +394,10 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
         m = o < end
         k = _ukeys(tl.load(row + o, mask=m, other=0.0))
         is_inf = m & (k == neg)
-        v = (m & (k >= thr) & ~is_inf).to(tl.int32)
+        if ORDER == 1:
+            v = (m & (k >= thr) & (k > neg)).to(tl.int32)
+        else:
+            v = (m & (k >= thr) & ~is_inf).to(tl.int32)
         row_tot = tl.sum(v, 1)
         before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
         tl.store(crow + seen + before, o, mask=v == 1)
@@ -388,13 +408,16 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
     tl.debug_barrier()
     if tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
         _topk_row(b, 0, s_ptr, cand_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, c_row, o_row, N, K, CH, 1,
-                  SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg")
+                  SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg", ORDER)
 
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
                        chunk: int | None = None, digit: int | None = None, groups: int | None = None,
-                       filter_chunk: int | None = None, group_max: torch.Tensor | None = None) -> torch.Tensor:
+                       filter_chunk: int | None = None, group_max: torch.Tensor | None = None,
+                       order: str = "score") -> torch.Tensor:
     """[B, N] fp32 -> [B, k] int64 top-k indices, ties to the smaller index, -1 where the score is -inf.
+    order: the reference's ("score": by descending score; "index": the picks above -inf ascending,
+    then -1, which spares the final sort of the filter's select).
 
     Long rows of a large batch on CUDA run through a filter (`groups` group maxima per row, default
     FILTER_GROUPS x k, see `_filter_kernel`): the K-th largest maximum bounds the row's K-th score from
@@ -413,6 +436,9 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     """
     if scores.dim() != 2:
         raise InputError(f"scores must be [B, N], got {list(scores.shape)}")
+    if order not in TOPK_ORDERS:
+        raise InputError(f"order must be one of {TOPK_ORDERS}, got {order!r}")
+    order_id = TOPK_ORDERS.index(order)
     bsz, n = scores.shape
     out = torch.empty(bsz, k, dtype=torch.int64, device=scores.device)
     if bsz == 0 or k == 0:
@@ -429,7 +455,8 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
         given = group_max is not None and group_max.shape[0] == bsz and k <= group_max.shape[1] <= GIVEN_GROUPS_MAX
         if given:
             assert group_max.dtype == torch.int32 and group_max.stride(1) == 1, "group_max: [B, G] int32 keys"
-        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit, group_max if given else None)
+        _filter(scores, out, k, ng, filter_chunk, block, num_warps, cuda, digit, group_max if given else None,
+                order_id)
         return out
     if chunk is None:      # CUDA: >= 4096 per chunk, at most 32 chunks (the second stage fits one block)
         ch = max(DEFAULT_CHUNK, triton.next_power_of_2(triton.cdiv(n, 32))) if cuda else 0
@@ -439,11 +466,11 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
         g = triton.cdiv(n, ch)
         cand = torch.empty(bsz, g * k, dtype=torch.int64, device=scores.device)
         bounds = torch.empty(bsz, g, dtype=torch.int32, device=scores.device)     # each chunk's k-th, from below
-        _launch(scores, scores, cand, bounds, n, k, ch, g, False, False, block, num_warps, cuda, digit)
+        _launch(scores, scores, cand, bounds, n, k, ch, g, False, False, block, num_warps, cuda, digit, order_id)
         n2 = (g - 1) * k + min(k, n - (g - 1) * ch)             # only the last chunk can be short
-        _launch(scores, cand, out, bounds, n2, k, n2, 1, True, True, block, num_warps, cuda, digit)
+        _launch(scores, cand, out, bounds, n2, k, n2, 1, True, True, block, num_warps, cuda, digit, order_id)
     else:
-        _launch(scores, scores, out, None, n, k, n, 1, False, True, block, num_warps, cuda, digit)
+        _launch(scores, scores, out, None, n, k, n, 1, False, True, block, num_warps, cuda, digit, order_id)
     return out
 
 
@@ -481,7 +508,7 @@ def _warps(num_warps: int | None, cuda: bool, programs: int, blk: int, device: t
 
 def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: torch.Tensor | None, n: int, k: int,
             chunk: int, groups: int, indirect: bool, final: bool, block: int | None, num_warps: int | None,
-            cuda: bool, digit: int | None) -> None:
+            cuda: bool, digit: int | None, order: int = 0) -> None:
     """bounds [B, chunks] int32: a first stage writes each chunk's lower bound of the k-th key there,
     the second stage reads them (None: one stage)."""
     blk = block or min(triton.next_power_of_2(chunk), 16384 if cuda else 1024)
@@ -491,7 +518,7 @@ def _launch(scores: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, bounds: 
         scores, idx, out, bounds if bounds is not None else out, out, scores.stride(0), idx.stride(0),
         out.stride(0), n, k, chunk, nb, BLOCK=blk, K_PAD=triton.next_power_of_2(k), INDIRECT=indirect,
         FINAL=final, FILTERED=False, DIGIT=digit or DIGIT, ROW=min(8, blk),
-        BOUNDS=triton.next_power_of_2(nb) if nb else 0, SEGS=1,
+        BOUNDS=triton.next_power_of_2(nb) if nb else 0, SEGS=1, ORDER=order,
         num_warps=_warps(num_warps, cuda, scores.shape[0] * groups, blk, scores.device), **pdl_launch(scores.device))
 
 
@@ -507,7 +534,8 @@ def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, 
 
 
 def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
-            num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None) -> None:
+            num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None,
+            order: int = 0) -> None:
     """Two launches: the group maxima and the row's bound (with group_max given: the bound alone, a
     program a row), then the candidates and the exact select."""
     bsz, n = scores.shape
@@ -534,7 +562,7 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
     _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
                              out.stride(0), n, k, ch, SEGS=p, BLOCK=blk, ROW=min(32, blk),
                              SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT,
-                             num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
+                             ORDER=order, num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
