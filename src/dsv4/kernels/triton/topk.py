@@ -3,7 +3,10 @@
 Same result as the reference, element for element: the k largest scores of each row in
 descending order, ties to the smaller index, -1 where the picked score is -inf (and past the
 row's N columns when N < k). The order is the reference's packed int64 order, so the result is
-identical, not just the same set.
+identical, not just the same set. order="index" (the decode step's, `decode_indexer_topk`): the same
+picks above -inf by ascending index, then -1; the filter's select then skips its final sort, since its
+collect writes the picks in index order already (H100, CSA B = 64 128K cache-side 160.3 -> 154.5 µs:
+benchmarks/NOTES.md, forty-third round).
 
 One program per row (grid B), four phases over the row's N scores:
 
