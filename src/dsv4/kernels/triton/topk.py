@@ -354,13 +354,15 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 
 
 @triton.jit
-def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr, DIGIT: tl.constexpr,
-                  PDL: tl.constexpr):
+def _bound_kernel(gmax_ptr, lb_ptr, arrive_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr,
+                  DIGIT: tl.constexpr, PDL: tl.constexpr):
     """Program b: row b's bound `_row_bound` from its n_groups group maxima given as int32 keys
     (gmax[b], e.g. the indexer scan's), those past NG folded onto the first (n_groups <= 2 NG; a
-    merged group's maximum is the larger one) -> lb[b]. PDL: see `pdl_enter`."""
+    merged group's maximum is the larger one) -> lb[b]; and arrive[b] zeroed for the filter kernel
+    after it (no memset launch between the scan and the top-k). PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
+    tl.store(arrive_ptr + b, 0)
     ga = tl.arange(0, NG)
     row = gmax_ptr + b * g_row
     gk = tl.maximum(tl.load(row + ga, mask=ga < n_groups, other=-2147483648),
@@ -547,7 +549,8 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
     cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
     counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-    arrive = torch.zeros(2, bsz, dtype=torch.int32, device=dev)      # each kernel's per-row count of finished programs
+    # each kernel's per-row count of finished programs: zeroed here, or the filter's by the bound kernel
+    arrive = (torch.zeros if group_max is None else torch.empty)(2, bsz, dtype=torch.int32, device=dev)
     if group_max is None:
         gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
         steps = max(1, min(triton.cdiv(ch, g), 4096 // g))
@@ -558,7 +561,7 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
     else:
         # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)
         ngf = max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
-        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k, NG=ngf,
+        _bound_kernel[(bsz,)](group_max, bound, arrive[1], group_max.stride(0), group_max.shape[1], k, NG=ngf,
                               PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
