@@ -2,10 +2,10 @@
 
     python benchmarks/topk_parts.py [--batches 1,4,8,16,32,64] [--n 32768] [--k 512] [--parts]
 
-Paths: the filter (`_group_max_kernel`, then `_filter_kernel` with the select over the candidates) and the two stages
-(chunks' top-k, then the top-k of their picks), whole per batch size (where the filter's default
-starts: `topk.FILTER_MIN_ROWS`) and, with --parts, each kernel alone on inputs the kernel before
-it wrote, with launch variants. Timed as tune_decode times (L2 flushed before each replay).
+Paths: the filter (`_group_max_kernel`, `_filter_kernel`, then `_filtered_select_kernel` over the
+candidates) and the two stages (chunks' top-k, then the top-k of their picks), whole per batch size
+(where the filter's default starts: `topk.FILTER_MIN_ROWS`) and, with --parts, each kernel alone on
+inputs the kernel before it wrote, with launch variants. Timed as tune_decode times (L2 flushed before each replay).
 Scores: standard normal, so the filter keeps about 1.15 k candidates per row (tune_decode reports
 the counts on the scan's scores).
 """
@@ -27,39 +27,47 @@ from dsv4.kernels.triton.decode_common import pdl_launch
 
 def filter_parts(s: torch.Tensor, k: int, fchunk: int, warps: int, blk: int, blk2: int
                  ) -> tuple[float, ...]:
-    """The filter's two kernels (group maxima and bound, candidates and select; their arrival counts
-    zeroed in the timed region, as `topk_smaller_index` does), each alone and both; then each
-    without its row tail (the arrival counts set so that no program is a row's last: the maxima
-    without the bound, the candidates without the select)."""
+    """The filter's three kernels (group maxima and bound, candidates, select; the maxima's arrival
+    counts zeroed in the timed region, as `topk_smaller_index` does): all three, then each alone, then
+    the maxima without the bound (the arrival counts set so that no program is a row's last)."""
     bsz, n = s.shape
     dev = s.device
     ch, p, g = tk.filter_layout(n, triton.next_power_of_2(tk.FILTER_GROUPS * k), fchunk, True)
     gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
-    cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
+    cand = torch.empty(bsz, p * ch, dtype=torch.int64, device=dev)
     counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-    arrive = torch.zeros(2, bsz, dtype=torch.int32, device=dev)
+    arrive = torch.zeros(bsz, dtype=torch.int32, device=dev)
     out = torch.empty(bsz, k, dtype=torch.int64, device=dev)
     steps = triton.next_power_of_2(max(1, min(triton.cdiv(ch, g), 4096 // g)))
 
     tail = [0]                  # the arrival counts' start: 0, or -2^30 so that no row's last program runs
 
     def k1():
-        arrive[0].fill_(tail[0])
-        tk._group_max_kernel[(bsz, p)](s, gmax, bound, arrive[0], s.stride(0), gmax.stride(0), n, k, ch, p * g, G=g,
+        arrive.fill_(tail[0])
+        tk._group_max_kernel[(bsz, p)](s, gmax, bound, arrive, s.stride(0), gmax.stride(0), n, k, ch, p * g, G=g,
                                        SKEW=int(0.618 * g) | 1, STEPS=steps, NG=triton.next_power_of_2(p * g),
                                        PASSES=tk.FILTER_PASSES, DIGIT=tk.DIGIT, num_warps=4, **pdl_launch(dev))
 
     def k2():
-        arrive[1].fill_(tail[0])
-        tk._filter_kernel[(bsz, p)](s, cand, counts, bound, arrive[1], out, s.stride(0), cand.stride(0),
-                                    out.stride(0), n, k, ch, SEGS=p, BLOCK=min(blk, triton.next_power_of_2(ch)),
-                                    ROW=32, SEL_BLOCK=blk2, K_PAD=triton.next_power_of_2(k), DIGIT=tk.DIGIT,
-                                    num_warps=warps, **pdl_launch(dev))
+        tk._filter_kernel[(bsz, p)](s, cand, counts, bound, s.stride(0), cand.stride(0), n, ch, SEGS=p,
+                                    BLOCK=min(blk, triton.next_power_of_2(ch)), ROW=32, ORDER=0, num_warps=warps,
+                                    **pdl_launch(dev))
 
-    whole = _time_pair(k1, k2, out, s, k, "filter")
+    def k3():
+        tk._filtered_select_kernel[(bsz,)](s, cand, counts, bound, out, s.stride(0), cand.stride(0), out.stride(0),
+                                           n, k, ch, SEGS=p, SEL_BLOCK=blk2, K_PAD=triton.next_power_of_2(k),
+                                           DIGIT=tk.DIGIT, ORDER=0, num_warps=warps, **pdl_launch(dev))
+
+    def chain():
+        k1()
+        k2()
+        k3()
+    chain()
+    assert torch.equal(out, ref_topk(s, k)), "the filter path differs from the reference"
+    whole = (graph_us(chain), graph_us(k1), graph_us(k2), graph_us(k3))
     tail[0] = -2**30
-    return whole + (graph_us(k1), graph_us(k2))
+    return whole + (graph_us(k1),)
 
 
 def stage_parts(s: torch.Tensor, k: int) -> tuple[float, float, float]:
@@ -114,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"B={b}: two stages  stage 1 / stage 2 / both  " +
               " / ".join(f"{x:.1f}" for x in stage_parts(s, a.k)) + " µs", flush=True)
-        for fchunk, warps, blk, blk2 in ((4096, 8, 16384, 1024), (2048, 8, 16384, 1024), (8192, 8, 16384, 1024),
-                                         (4096, 4, 16384, 1024), (4096, 16, 16384, 1024), (4096, 8, 2048, 1024),
-                                         (4096, 8, 16384, 2048), (4096, 4, 16384, 512)):
+        for fchunk, warps, blk, blk2 in ((4096, 8, 1024, 1024), (2048, 8, 1024, 1024), (8192, 8, 1024, 1024),
+                                         (4096, 4, 1024, 1024), (4096, 16, 1024, 1024), (4096, 8, 2048, 1024),
+                                         (4096, 8, 1024, 2048), (4096, 4, 1024, 512)):
             r = filter_parts(s, a.k, fchunk, warps, blk, blk2)
-            print(f"B={b} filter chunk {fchunk:5d} warps {warps:2d} block {blk:5d} select block {blk2:4d}: "
-                  "maxima / filter+select / both / maxima without bound / filter without select  "
+            print(f"B={b} filter chunk {fchunk:5d} warps {warps:2d} tile {blk:5d} select block {blk2:4d}: "
+                  "all three / maxima / candidates / select / maxima without bound  "
                   + " / ".join(f"{x:.1f}" for x in r) + " µs", flush=True)
     return 0
 

@@ -33,13 +33,16 @@ Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the f
                  `_group_max_kernel` finds the maxima of 4k / P groups of its chunk, and the row's
                  last program to finish bounds the row's k-th score from below by the k-th largest
                  of the row's 4k maxima; then `_filter_kernel` keeps its chunk's scores at or above
-                 the bound (about 1.15 k a row on random rows) as candidates, and the row's last
-                 program to finish runs the select over them, started below the bits shared by the
-                 bound and the largest candidate (benchmarks/NOTES.md, twenty-fourth and
-                 twenty-sixth rounds). With the maxima handed in (`group_max`: the TMA indexer
-                 scan's row slots, `decode.decode_indexer_topk`) `_bound_kernel` finds the bound
-                 from them, a program a row, and the maxima pass over the scores goes (H100,
-                 B = 64, indexer 128K 118.8 -> 116.7 µs, 1M 810 -> 796; thirty-sixth round)
+                 the bound (about 1.15 k a row on random rows) as candidates, each stored with its
+                 key, and `_filtered_select_kernel` (a program a row) runs the select over them,
+                 started below the bits shared by the bound and the largest candidate
+                 (benchmarks/NOTES.md, twenty-fourth and twenty-sixth rounds; the select in a kernel
+                 of its own and the candidates' keys stored, forty-fourth round: the filter's
+                 programs fit four an SM, H100, CSA B = 64 cache-side 1M 839.7 -> 757.7 µs).
+                 With the maxima handed in (`group_max`: the TMA indexer scan's row slots,
+                 `decode.decode_indexer_topk`) `_bound_kernel` finds the bound from them, a program
+                 a row, and the maxima pass over the scores goes (H100, B = 64, indexer 128K
+                 118.8 -> 116.7 µs, 1M 810 -> 796; thirty-sixth round)
     two stages   (fewer, shorter rows; or with `chunk`) grid B x chunks: each chunk's exact picks (in index order,
                  unsorted) and a lower bound of its k-th key; then grid B: the picks among all
                  chunks' picks, whose select starts below the bits shared by the largest chunk
@@ -94,11 +97,15 @@ def _seg_offsets(o, cnt_row, CH, SEGS: tl.constexpr, CM: tl.constexpr):
 
 
 @triton.jit
-def _load(row, irow, o, m, INDIRECT: tl.constexpr, cnt_row, CH, SEGS: tl.constexpr, CM: tl.constexpr):
+def _load(row, irow, o, m, INDIRECT: tl.constexpr, cnt_row, CH, SEGS: tl.constexpr, CM: tl.constexpr,
+          PACKED: tl.constexpr):
     """Elements o of the program's row -> (unsigned keys, original indices): scores[o], or scores[cand[o]]
-    (cand in SEGS segments of CH slots: `_seg_offsets`)."""
+    (cand in SEGS segments of CH slots: `_seg_offsets`); PACKED: cand[o] holds key << 32 | index
+    (`_filter_kernel`'s candidates: no gather from the scores)."""
     if INDIRECT:
         idx = tl.load(irow + _seg_offsets(o, cnt_row, CH, SEGS, CM), mask=m, other=0, cache_modifier=CM)
+        if PACKED:
+            return (idx >> 32).to(tl.int32).to(tl.uint32, bitcast=True), idx.to(tl.int32).to(tl.int64)
     else:
         idx = o.to(tl.int64)
     return _ukeys(tl.load(row + idx, mask=m, other=0.0)), idx
@@ -195,7 +202,7 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
     kk = tl.minimum(K, n)
     offs = tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     valid = offs < n
-    key, _ = _load(row_e, irow, offs, valid, INDIRECT, cnt_row, CHUNK, SEGS, CM)
+    key, idx0 = _load(row_e, irow, offs, valid, INDIRECT, cnt_row, CHUNK, SEGS, CM, FILTERED)
 
     # ---- select, most significant digit first: thr collects the kk-th largest key's digits, need
     # counts how many keys sharing thr's bits above `hi` are still to take. It stops once every key
@@ -231,7 +238,7 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
         for start in range(BLOCK, n, BLOCK):
             o = start + offs
             m = o < n
-            k, _ = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM)
+            k, _ = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM, FILTERED)
             h += _digit_hist(k, m, thr, hi, shift, NBINS, BLOCK)
         need, thr, go = _select_step(h, bins, need, thr, shift)
         hi = shift
@@ -241,7 +248,9 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
     # ---- collect: keys above thr (bits above hi), then the first `need` keys equal to it by position
     # (positions follow the original indices: rows directly, candidates in their stored order)
     t_hi = thr >> hi.to(tl.uint32)
-    if INDIRECT:
+    if FILTERED:
+        idx = idx0              # packed with the keys: held since the first load
+    elif INDIRECT:
         idx = tl.load(irow + _seg_offsets(offs, cnt_row, CHUNK, SEGS, CM), mask=valid, other=0, cache_modifier=CM)
     else:
         idx = offs.to(tl.int64) + g * CHUNK
@@ -250,7 +259,7 @@ def _topk_row(b, g, s_ptr, i_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, i_row, o_row,
     for start in range(BLOCK, n, BLOCK):
         o = start + offs
         m = o < n
-        k, idx = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM)
+        k, idx = _load(row_e, irow, o, m, INDIRECT, cnt_row, CHUNK, SEGS, CM, FILTERED)
         if not INDIRECT:
             idx = idx + g * CHUNK
         gt_seen, eq_seen = _collect_block(orow, k, idx, m, t_hi, hi, need, gt_seen, eq_seen)
@@ -354,15 +363,13 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 
 
 @triton.jit
-def _bound_kernel(gmax_ptr, lb_ptr, arrive_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr,
+def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr,
                   DIGIT: tl.constexpr, PDL: tl.constexpr):
     """Program b: row b's bound `_row_bound` from its n_groups group maxima given as int32 keys
     (gmax[b], e.g. the indexer scan's), those past NG folded onto the first (n_groups <= 2 NG; a
-    merged group's maximum is the larger one) -> lb[b]; and arrive[b] zeroed for the filter kernel
-    after it (no memset launch between the scan and the top-k). PDL: see `pdl_enter`."""
+    merged group's maximum is the larger one) -> lb[b]. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
-    tl.store(arrive_ptr + b, 0)
     ga = tl.arange(0, NG)
     row = gmax_ptr + b * g_row
     gk = tl.maximum(tl.load(row + ga, mask=ga < n_groups, other=-2147483648),
@@ -372,16 +379,15 @@ def _bound_kernel(gmax_ptr, lb_ptr, arrive_ptr, g_row, n_groups, K, NG: tl.const
 
 
 @triton.jit
-def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
-                   SEGS: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                   K_PAD: tl.constexpr, DIGIT: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
+def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, CH, SEGS: tl.constexpr, BLOCK: tl.constexpr,
+                   ROW: tl.constexpr, ORDER: tl.constexpr, PDL: tl.constexpr):
     """Program (b, j): chunk j's candidates, the scores at or above row b's bound lb[b]
-    (`_group_max_kernel` or `_bound_kernel`), whose indices go to cand[b, j*CH ...] in index order
+    (`_group_max_kernel` or `_bound_kernel`), stored as key << 32 | index (the select then reads their
+    keys without a gather from the scores) to cand[b, j*CH ...] in index order
     (-inf scores left out and counted instead; ORDER 1: every score at or below -inf left out), their
-    count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]. The row's last program to finish
-    (counted in at arrive[b], zero before the launch) then runs the exact select over the row's
-    candidates (`_topk_row`, SEL_BLOCK of them held in registers) and writes out[b]. PDL: see
-    `pdl_enter`."""
+    count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]; BLOCK scores at a time. No select here:
+    its registers would hold the kernel to two programs an SM (H100, 128 a thread against 61 at BLOCK
+    1,024), and a row's programs to two waves at B = 64. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -405,15 +411,22 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, arrive_ptr, out_ptr, s_row,
             v = (m & (k >= thr) & ~is_inf).to(tl.int32)
         row_tot = tl.sum(v, 1)
         before = (tl.cumsum(row_tot, 0) - row_tot)[:, None] + tl.cumsum(v, 1) - v
-        tl.store(crow + seen + before, o, mask=v == 1)
+        tl.store(crow + seen + before, (k.to(tl.int64) << 32) | o, mask=v == 1)
         seen += tl.sum(row_tot, 0)
         n_inf += tl.sum(tl.sum(is_inf.to(tl.int32), 1), 0)
     tl.store(cnt_ptr + b * 2 * SEGS + j, seen)
     tl.store(cnt_ptr + b * 2 * SEGS + SEGS + j, n_inf)
-    tl.debug_barrier()
-    if tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        _topk_row(b, 0, s_ptr, cand_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, c_row, o_row, N, K, CH, 1,
-                  SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg", ORDER)
+
+
+@triton.jit
+def _filtered_select_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, out_ptr, s_row, c_row, o_row, N, K, CH,
+                            SEGS: tl.constexpr, SEL_BLOCK: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr,
+                            ORDER: tl.constexpr, PDL: tl.constexpr):
+    """Program b: the exact select over row b's candidates of `_filter_kernel` (launched after it;
+    `_topk_row`, SEL_BLOCK candidates held in registers) -> out[b]. PDL: see `pdl_enter`."""
+    pdl_enter(PDL)
+    _topk_row(tl.program_id(0).to(tl.int64), 0, s_ptr, cand_ptr, out_ptr, lb_ptr, cnt_ptr, s_row, c_row, o_row, N,
+              K, CH, 1, SEL_BLOCK, K_PAD, True, True, True, DIGIT, 8, 1, SEGS, ".cg", ORDER)
 
 
 def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None, num_warps: int | None = None,
@@ -498,6 +511,9 @@ FILTER_CHUNK = 4096
 GIVEN_GROUPS_MAX = 8192
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
+#: scores a filter program compacts at a time on CUDA (H100, CSA B = 64 cache-side 128K / 1M, µs: 512
+#: 165.1 / 774.0, 1,024 152.8 / 757.7, 2,048 155.2 / 777.1; forty-fourth round)
+FILTER_TILE = 1024
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
 
@@ -541,34 +557,36 @@ def filter_layout(n: int, ng: int, chunk: int | None, cuda: bool) -> tuple[int, 
 def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int | None, block: int | None,
             num_warps: int | None, cuda: bool, digit: int | None, group_max: torch.Tensor | None = None,
             order: int = 0) -> None:
-    """Two launches: the group maxima and the row's bound (with group_max given: the bound alone, a
-    program a row), then the candidates and the exact select."""
+    """Three launches: the group maxima and the row's bound (with group_max given: the bound alone, a
+    program a row), the candidates, the exact select."""
     bsz, n = scores.shape
     dev = scores.device
     ch, p, g = filter_layout(n, ng, chunk, cuda)
-    cand = torch.empty(bsz, p * ch, dtype=torch.int32, device=dev)
+    cand = torch.empty(bsz, p * ch, dtype=torch.int64, device=dev)     # key << 32 | index
     counts = torch.empty(bsz, 2 * p, dtype=torch.int32, device=dev)
     bound = torch.empty(bsz, 1, dtype=torch.int32, device=dev)
-    # each kernel's per-row count of finished programs: zeroed here, or the filter's by the bound kernel
-    arrive = (torch.zeros if group_max is None else torch.empty)(2, bsz, dtype=torch.int32, device=dev)
     if group_max is None:
+        arrive = torch.zeros(bsz, dtype=torch.int32, device=dev)       # the row's programs done
         gmax = torch.empty(bsz, p * g, dtype=torch.int32, device=dev)
         steps = max(1, min(triton.cdiv(ch, g), 4096 // g))
-        _group_max_kernel[(bsz, p)](scores, gmax, bound, arrive[0], scores.stride(0), gmax.stride(0), n, k, ch,
+        _group_max_kernel[(bsz, p)](scores, gmax, bound, arrive, scores.stride(0), gmax.stride(0), n, k, ch,
                                     p * g, G=g, SKEW=int(0.618 * g) | 1 if g > 1 else 0,
                                     STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
                                     PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     else:
         # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)
         ngf = max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
-        _bound_kernel[(bsz,)](group_max, bound, arrive[1], group_max.stride(0), group_max.shape[1], k, NG=ngf,
+        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k, NG=ngf,
                               PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
-    blk = block or min(triton.next_power_of_2(ch), 16384 if cuda else 1024)
+    blk = block or min(triton.next_power_of_2(ch), FILTER_TILE if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
-    _filter_kernel[(bsz, p)](scores, cand, counts, bound, arrive[1], out, scores.stride(0), cand.stride(0),
-                             out.stride(0), n, k, ch, SEGS=p, BLOCK=blk, ROW=min(32, blk),
-                             SEL_BLOCK=block or FILTER_BLOCK, K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT,
-                             ORDER=order, num_warps=num_warps or (8 if cuda else 4), **pdl_launch(dev))
+    warps = num_warps or (8 if cuda else 4)
+    _filter_kernel[(bsz, p)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, ch, SEGS=p, BLOCK=blk,
+                             ROW=min(32, blk), ORDER=order, num_warps=warps, **pdl_launch(dev))
+    _filtered_select_kernel[(bsz,)](scores, cand, counts, bound, out, scores.stride(0), cand.stride(0), out.stride(0),
+                                    n, k, ch, SEGS=p, SEL_BLOCK=block or FILTER_BLOCK,
+                                    K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT, ORDER=order,
+                                    num_warps=warps, **pdl_launch(dev))
 
 
 __all__ = ["topk_smaller_index"]
