@@ -385,9 +385,11 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, CH, SEGS: 
     (`_group_max_kernel` or `_bound_kernel`), stored as key << 32 | index (the select then reads their
     keys without a gather from the scores) to cand[b, j*CH ...] in index order
     (-inf scores left out and counted instead; ORDER 1: every score at or below -inf left out), their
-    count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]; BLOCK scores at a time. No select here:
-    its registers would hold the kernel to two programs an SM (H100, 128 a thread against 61 at BLOCK
-    1,024), and a row's programs to two waves at B = 64. PDL: see `pdl_enter`."""
+    count to cnt[b, j] and the -inf count to cnt[b, SEGS + j]; BLOCK scores at a time, ROW consecutive
+    scores a thread (ROW = BLOCK / threads: the compaction's scan runs along each thread's row, then
+    across the threads; at BLOCK 1,024 and 8 warps 40 registers and 8 barriers against 64 and 16 at
+    rows of 32). No select here: its registers would hold the kernel to two programs an SM (H100, 128
+    a thread), and a row's programs to two waves at B = 64. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -400,10 +402,13 @@ def _filter_kernel(s_ptr, cand_ptr, cnt_ptr, lb_ptr, s_row, c_row, N, CH, SEGS: 
     crow = cand_ptr + b * c_row + lo
     seen = tl.zeros([], tl.int32)
     n_inf = tl.zeros([], tl.int32)
+    nxt = _ukeys(tl.load(row + lo + offs, mask=lo + offs < end, other=0.0))
     for start in range(lo, end, BLOCK):
         o = start + offs
         m = o < end
-        k = _ukeys(tl.load(row + o, mask=m, other=0.0))
+        k = nxt
+        # the next tile's scores asked for before this one's compaction (its barriers do not wait on them)
+        nxt = _ukeys(tl.load(row + o + BLOCK, mask=o + BLOCK < end, other=0.0))
         is_inf = m & (k == neg)
         if ORDER == 1:
             v = (m & (k >= thr) & (k > neg)).to(tl.int32)
@@ -511,8 +516,9 @@ FILTER_CHUNK = 4096
 GIVEN_GROUPS_MAX = 8192
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
-#: scores a filter program compacts at a time on CUDA (H100, CSA B = 64 cache-side 128K / 1M, µs: 512
-#: 165.1 / 774.0, 1,024 152.8 / 757.7, 2,048 155.2 / 777.1; forty-fourth round)
+#: scores a filter program compacts at a time on CUDA (H100, CSA B = 64 cache-side 128K / 1M, µs, at rows
+#: of 32 scores: 512 165.1 / 774.0, 1,024 152.8 / 757.7, 2,048 155.2 / 777.1; then rows of 4 a thread:
+#: 150.0 / 724.7; forty-fourth round)
 FILTER_TILE = 1024
 #: bits per select pass (2^DIGIT histogram bins; at most 32 / DIGIT passes, rounded up)
 DIGIT = 5
@@ -582,7 +588,7 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
     warps = num_warps or (8 if cuda else 4)
     _filter_kernel[(bsz, p)](scores, cand, counts, bound, scores.stride(0), cand.stride(0), n, ch, SEGS=p, BLOCK=blk,
-                             ROW=min(32, blk), ORDER=order, num_warps=warps, **pdl_launch(dev))
+                             ROW=max(1, blk // (32 * warps)), ORDER=order, num_warps=warps, **pdl_launch(dev))
     _filtered_select_kernel[(bsz,)](scores, cand, counts, bound, out, scores.stride(0), cand.stride(0), out.stride(0),
                                     n, k, ch, SEGS=p, SEL_BLOCK=block or FILTER_BLOCK,
                                     K_PAD=triton.next_power_of_2(k), DIGIT=digit or DIGIT, ORDER=order,
