@@ -1,16 +1,16 @@
 """Where the decode top-k's filtered path spends its time, read from clocks inside its kernels.
 
-    python benchmarks/topk_trace.py [--batches 64] [--n 32768] [--k 512] [--programs 33] [--reps 20]
+    python benchmarks/topk_trace.py [--batches 64] [--n 32768] [--k 512] [--reps 20]
 
 A copy of `dsv4.kernels.triton.topk` with timer reads added (the module's source, patched as text
 and imported from a temporary file; the library's kernels are not changed): the bound kernel's start
 and end, the first eight filter programs' starts and the ends of their candidates, and the select
 kernel's phases in SM clocks (counts loaded, first block loaded and the start bits found, each
-select pass, the collect, the pads). The path runs as the decode step runs it: the scan's group
-maxima handed in (`_group_keys` of the tests: 64 P groups, P programs a request), order "index",
-scores hot in the L2. Scores: standard normal, or `--scan` the indexer scan's own scores of random
-keys and queries and the scan's own group maxima. Prints medians over rows and repetitions (µs from the bound
-kernel's start; cycles for the select's phases) and the select passes a row took.
+select pass, the collect, the pads). The path runs as the decode step runs it: the TMA indexer
+scan's scores of random keys and queries and its group maxima handed in, order "index", scores hot
+in the L2; eager, so the gaps between launches are the host's. Prints medians over rows and
+repetitions (µs from the bound kernel's start; clocks for the select's phases) and the select
+passes a row took.
 """
 
 from __future__ import annotations
@@ -115,17 +115,6 @@ def traced_module():
     return mod
 
 
-def group_keys(scores: torch.Tensor, groups: int, period: int = 64) -> torch.Tensor:
-    """The indexer scan's group maxima as the top-k's int32 keys (as the tests' `_group_keys`)."""
-    bits = scores.contiguous().view(torch.int32)
-    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
-    i = torch.arange(scores.shape[1], device=scores.device)
-    g = (i // period) % (groups // period) * period + i % period
-    out = torch.full((scores.shape[0], groups), -2 ** 31, dtype=torch.int64, device=scores.device)
-    out.scatter_reduce_(1, g.expand_as(keys), keys, "amax")
-    return out.to(torch.int32)
-
-
 def scan_scores(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The TMA indexer scan's scores of random mxfp4 keys and queries (n keys a request) and its group
     maxima, as the decode step hands them to the top-k."""
@@ -149,18 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="64")
     p.add_argument("--n", type=int, default=32768)
     p.add_argument("--k", type=int, default=512)
-    p.add_argument("--programs", type=int, default=33, help="the scan's programs a request (groups 64 P)")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--scan", action="store_true", help="scores from the indexer scan of random keys")
     a = p.parse_args(argv)
     mod = traced_module()
     torch.manual_seed(0)
     for b in (int(x) for x in a.batches.split(",")):
-        if a.scan:
-            s, gk = scan_scores(b, a.n)
-        else:
-            s = torch.randn(b, a.n, device="cuda")
-            gk = group_keys(s, 64 * a.programs)
+        s, gk = scan_scores(b, a.n)
         want = tk.topk_smaller_index(s, a.k, group_max=gk, order="index")
         tr = torch.zeros(b, 64, dtype=torch.int64, device="cuda")
         mod.TRACE[0] = tr
@@ -181,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
               "candidates last end": t[..., 1:2 * p_:2].max(-1).values - t0[..., 0],
               "select start": t[..., 16] - t0[..., 0], "select end": t[..., 31] - t0[..., 0],
               "rows' last select end": (t[..., 31].max(-1, keepdim=True).values - t0[..., 0]).expand_as(t[..., 31])}
-        print(f"B={b} N={a.n} k={a.k} P={a.programs} ({'scan' if a.scan else 'normal'} scores): µs from the "
+        print(f"B={b} N={a.n} k={a.k} (the scan's scores, {gk.shape[1]} group maxima a row): µs from the "
               "bound kernel's start, median over rows and repetitions (min / max over rows)")
         for name, v in ns.items():
             v = v / 1e3
