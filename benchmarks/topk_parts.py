@@ -50,9 +50,9 @@ def filter_parts(s: torch.Tensor, k: int, fchunk: int, warps: int, blk: int, blk
                                        PASSES=tk.FILTER_PASSES, DIGIT=tk.DIGIT, num_warps=4, **pdl_launch(dev))
 
     def k2():
-        tk._filter_kernel[(bsz, p)](s, cand, counts, bound, s.stride(0), cand.stride(0), n, ch, SEGS=p,
-                                    BLOCK=min(blk, triton.next_power_of_2(ch)), ROW=32, ORDER=0, num_warps=warps,
-                                    **pdl_launch(dev))
+        tile = min(blk, triton.next_power_of_2(ch))
+        tk._filter_kernel[(bsz, p)](s, cand, counts, bound, s.stride(0), cand.stride(0), n, ch, SEGS=p, BLOCK=tile,
+                                    ROW=max(1, tile // (32 * warps)), ORDER=0, num_warps=warps, **pdl_launch(dev))
 
     def k3():
         tk._filtered_select_kernel[(bsz,)](s, cand, counts, bound, out, s.stride(0), cand.stride(0), out.stride(0),
