@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ck["collect"] = t[..., 29] - last
         ck["pads"] = t[..., 30] - t[..., 29]
         ck["whole select"] = t[..., 30] - t[..., 17]
-        print("  the last program's select, SM clocks (median / max over rows and repetitions):")
+        print("  the select kernel's program of a row, SM clocks (median / max over rows and repetitions):")
         for name, v in ck.items():
             v = v[~torch.isnan(v)]
             if v.numel():
