@@ -4,7 +4,7 @@
 
 Paths: the filter (`_group_max_kernel`, `_filter_kernel`, then `_filtered_select_kernel` over the
 candidates) and the two stages (chunks' top-k, then the top-k of their picks), whole per batch size
-(where the filter's default starts: `topk.FILTER_MIN_ROWS`) and, with --parts, each kernel alone on
+(the filter is the default at every batch: `topk.FILTER_MIN_SCORES`) and, with --parts, each kernel alone on
 inputs the kernel before it wrote, with launch variants. Timed as tune_decode times (L2 flushed before each replay).
 Scores: standard normal, so the filter keeps about 1.15 k candidates per row (tune_decode reports
 the counts on the scan's scores).

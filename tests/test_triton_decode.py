@@ -323,8 +323,8 @@ def test_indexer_scan_tma_int8_fallback():
 def test_decode_indexer_topk_scan_maxima(programs, int8):
     """The TMA scan's group maxima (row slot r of program p: entries 64 (p + i P) + r of its tiles,
     as int32 keys) against torch's over its own scores, and `decode_indexer_topk` (the filter bounded
-    by them, no maxima pass) against the reference top-k of those scores: 32 requests (the filter's
-    batch) ending at tile and chunk boundaries, empty and one-entry requests, top-512. Maxima claimed
+    by them, no maxima pass) against the reference top-k of those scores: 32 requests (long
+    rows) ending at tile and chunk boundaries, empty and one-entry requests, top-512. Maxima claimed
     too high must change the picks (the given bound is read)."""
     from dsv4.kernels.triton import topk
     ents = (0, 1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 4095, 4096, 4097, 8191, 8192, 8193,
@@ -342,7 +342,7 @@ def test_decode_indexer_topk_scan_maxima(programs, int8):
     want = torch.full((bsz, 64 * p), -2 ** 31, dtype=torch.int64, device=scores.device)
     want.scatter_reduce_(1, ((i // 64) % p * 64 + i % 64).expand_as(keys), keys, "amax")
     assert torch.equal(gm.long(), want)
-    assert 512 <= gm.shape[1] <= topk.GIVEN_GROUPS_MAX and bsz >= topk.FILTER_MIN_ROWS
+    assert 512 <= gm.shape[1] <= topk.GIVEN_GROUPS_MAX and n > topk.FILTER_MIN_SCORES
     top = tri.decode_indexer_topk(*args, 512, tma=True, tma_int8=int8, num_programs=programs)
     assert torch.equal(top, ref.topk_smaller_index(scores, 512, order="index"))
     high = gm.clone()

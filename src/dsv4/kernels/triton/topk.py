@@ -26,10 +26,10 @@ One program per row (grid B), four phases over the row's N scores:
     sort      the min(k, N) picks are reloaded, packed (key << 32 | 2^31 - 1 - index) as the
               reference does, sorted descending by tl.sort, unpacked and written
 
-Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the final select:
+Long rows take one of two paths before the final select:
 
-    filter       (on CUDA from FILTER_MIN_ROWS rows, or rows of FILTER_LONG_ROW scores) grid
-                 B x P, a program per 4096-score chunk of a row:
+    filter       (on CUDA, rows of more than FILTER_MIN_SCORES) grid B x P, a program per
+                 4096-score chunk of a row:
                  `_group_max_kernel` finds the maxima of 4k / P groups of its chunk, and the row's
                  last program to finish bounds the row's k-th score from below by the k-th largest
                  of the row's 4k maxima; then `_filter_kernel` keeps its chunk's scores at or above
@@ -43,7 +43,7 @@ Long rows (more than 2 x 4096 scores on CUDA) take one of two paths before the f
                  `decode.decode_indexer_topk`) `_bound_kernel` finds the bound from them, a program
                  a row, and the maxima pass over the scores goes (H100, B = 64, indexer 128K
                  118.8 -> 116.7 µs, 1M 810 -> 796; thirty-sixth round)
-    two stages   (fewer, shorter rows; or with `chunk`) grid B x chunks: each chunk's exact picks (in index order,
+    two stages   (with `chunk`) grid B x chunks: each chunk's exact picks (in index order,
                  unsorted) and a lower bound of its k-th key; then grid B: the picks among all
                  chunks' picks, whose select starts below the bits shared by the largest chunk
                  bound and the largest candidate
@@ -471,8 +471,7 @@ def topk_smaller_index(scores: torch.Tensor, k: int, *, block: int | None = None
     scores = scores.float().contiguous()
     cuda = scores.device.type == "cuda"
     if groups is None:
-        groups = FILTER_GROUPS * k if cuda and chunk is None and n > 2 * DEFAULT_CHUNK \
-            and (bsz >= FILTER_MIN_ROWS or n >= FILTER_LONG_ROW) else 0
+        groups = FILTER_GROUPS * k if cuda and chunk is None and n > FILTER_MIN_SCORES else 0
     ng = triton.next_power_of_2(groups) if groups else 0
     if ng >= k and n > ng:          # K groups to bound the K-th score with
         given = group_max is not None and group_max.shape[0] == bsz and k <= group_max.shape[1] <= GIVEN_GROUPS_MAX
@@ -503,13 +502,11 @@ DEFAULT_CHUNK = 4096
 FILTER_GROUPS = 4
 #: select digits the filter's bound keeps (3: within about 1% of the k-th group maximum)
 FILTER_PASSES = 3
-#: CUDA rows from which the filter is the default for rows of more than 2 DEFAULT_CHUNK scores (in a
-#: decode step at 128K, 32,768 scores a row, the two stages were 1.3 µs faster at B = 1, 0.8 slower at
-#: B = 16, the same at 64: benchmarks/NOTES.md, twenty-sixth round)
-FILTER_MIN_ROWS = 32
-#: scores a row from which the filter is the default whatever the rows (1M context: 262,144 scores,
-#: where the two stages' second stage selects among 32 x k picks in one program)
-FILTER_LONG_ROW = 65536
+#: scores a CUDA row needs for the filter to be its path (shorter: one select; with `chunk` given: two
+#: stages). Every batch since the forty-fifth round: in a decode step at 128K (32,768 scores a row, the
+#: scan's maxima given), H100, µs, two stages -> filter: CSA indexer B = 1 26.0 -> 22.7, B = 4 34.8 ->
+#: 29.6, B = 16 52.6 -> 41.2 (it was the default from 32 rows, or from 65,536 scores, before)
+FILTER_MIN_SCORES = 2 * DEFAULT_CHUNK
 #: scores per filter program on CUDA (a row's chunks are filtered side by side)
 FILTER_CHUNK = 4096
 #: given group maxima a row `_bound_kernel` takes (folded to half their power of two; more: not read)
