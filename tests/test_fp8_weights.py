@@ -262,6 +262,31 @@ def test_fp8_projections_share_the_fused_buffers():
     assert fp8._inputs.weight() is not None and fp8._q_up.weight() is None      # q_b, indexer q_b: all FP8
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fused_projection_part_is_its_column_view(backend):
+    """`FusedProjection.part(x, i)` (one GEMM over part i's rows of the fused buffers) gives the i-th
+    output of the fused GEMM: dense parts beside FP8 ones (an FP8 layer's input projection: padded
+    FP8 starts), the all-FP8 q up-projection, with and without the norm applied inside."""
+    from dsv4.kernels.dispatch import ops_for
+    cfg = tiny_config()
+    fp8, _ = _fp8_and_dense(cfg, 1)
+    fp8.to(DEVICE)
+    ops = ops_for(torch.device(DEVICE), backend)
+    x = torch.randn(3, cfg.hidden_size, device=DEVICE)
+    q_a = torch.randn(3, cfg.q_lora_rank, device=DEVICE) * 5
+    norm = fp8.qa_norm()
+    for fused, src, nrm in ((fp8._inputs, x, None), (fp8._q_up, q_a, None), (fp8._q_up, q_a, norm)):
+        whole = fused(src, ops, nrm)
+        assert len(whole) == len(fused.sizes) > 1
+        for i, want in enumerate(whole):
+            got = fused.part(src, i, ops, nrm)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    normed = fp8.query_up_normed({"q_a": q_a}, ops)
+    for name in ("q", "iq"):
+        torch.testing.assert_close(fp8.query_up_part(name, q_a, ops, norm), normed[name], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
 def test_load_fp8_state_dicts(scale_dtype):
     """An FP8 checkpoint's state dict (transformers' names, V3 fp32 or V4 UE8M0 scales; DeepSeek's

@@ -146,6 +146,42 @@ def test_output_weight_prefetch_changes_nothing(fp8_weights, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
+def test_split_query_up_projection(fp8_weights, monkeypatch):
+    """A CSA decode step of SPLIT_QUERY_UP rows runs the indexer's q up-projection alone and the
+    attention's on a branch of its own: the same outputs as the one fused GEMM, eager and replayed
+    (bit for bit with bf16 weights, whose GEMMs sum each output in one K order however the rows are
+    grouped; FP8 blocks may split K differently by the GEMM's rows: close there), and the split is
+    taken exactly where asked."""
+    from dsv4.attention import decode_path
+    cfg = real_dims_config()
+    layer = 1
+    w, xs, sched = _case(cfg, layer, {"a": 250, "b": 126}, 6)
+    kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
+    parts = []
+    part = AttentionSubBlock.query_up_part
+
+    def counted(self, name, *args, **kwargs):
+        parts.append(name)
+        return part(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionSubBlock, "query_up_part", counted)
+    outs = {}
+    for split in (True, False):
+        monkeypatch.setattr(decode_path, "SPLIT_QUERY_UP", (2, 2) if split else (3, 3))
+        parts.clear()
+        outs[split] = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw)
+                       for g in (False, True)]
+        # every decode step of 2 rows, eager and captured: the indexer's GEMM, then the attention's
+        assert (parts == ["iq", "q"] * (len(parts) // 2) and len(parts) >= 2 * 6) if split else parts == [], parts
+    for r in xs:
+        for g in range(2):
+            if fp8_weights:
+                assert _rel_l2(outs[True][g][r], outs[False][g][r]) <= 1e-2, (r, g)
+            else:
+                assert torch.equal(outs[True][g][r], outs[False][g][r]), (r, g)
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
 def test_engine_cuda_graphs_generate_the_same_tokens(fp8_weights):
     """The engine's decode graphs (captured per batch size) give the eager engine's tokens, with dense
     or FP8 block projection weights."""

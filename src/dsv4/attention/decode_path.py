@@ -11,11 +11,13 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            `linear_pair`)
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
-           top-k; HCA: q norm/RoPE (FP8 layers from Q_AFTER_JOIN_ROWS rows: after the join)
+           top-k; HCA: q norm/RoPE (FP8 layers from Q_AFTER_JOIN_ROWS rows: after the join).
+           CSA at SPLIT_QUERY_UP rows: the indexer's q GEMM alone, then its queries and scan.
+    up     (CSA at those rows) forked after the indexer's q GEMM: the q_b GEMM -> q norm/RoPE
     table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
            norm/RoPE inside the writes); CSA: -> [cos/sin ready] kv norm/RoPE -> window append,
-           then, once the GEMM is done, q norm/RoPE
+           then, once the GEMM is done, q norm/RoPE (at SPLIT_QUERY_UP rows on `up` instead)
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
     prefetch  (HCA, one row) after the q_b GEMM: the output projection's weights asked into the
@@ -116,17 +118,31 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     if sch.attn_type in WINDOW_ON_TABLE:   # beside the compressors' chain, right after cos/sin
         with on(table):
             _append_window(blk, proj, cos, sin, cache, ops, table, inputs_ready)
-    if sch.attn_type in QA_NORM_IN_GEMM:
+    # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
+    # conversion kernel runs before the attention (the same rounding the kernels would do)
+    q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
+    rows = b.num_requests
+    up_branch = side_stream(dev, 2) if csa and SPLIT_QUERY_UP[0] <= rows <= SPLIT_QUERY_UP[1] else None
+    if up_branch is not None:
+        # the indexer's queries first, alone: the scan and top-k start while the attention's q_b GEMM
+        # runs on a branch of its own (joined before the attention)
+        in_gemm = rows == 1 and sch.attn_type in QA_NORM_IN_GEMM
+        src, norm = (proj["q_a"], blk.qa_norm()) if in_gemm else (blk.q_residual(proj, ops), None)
+        q_up = {"iq": blk.query_up_part("iq", src, ops, norm)}
+        up_branch.wait_stream(main)         # after the indexer's GEMM: it streams its weights alone
+        with on(up_branch):
+            q_raw = blk.query_up_part("q", src, ops, norm)
+            if table_ready is not None:
+                up_branch.wait_event(table_ready)
+            q = blk.queries({"q": q_raw}, cos, sin, ops, out_dtype=q_dtype)
+    elif sch.attn_type in QA_NORM_IN_GEMM:
         q_up = blk.query_up_normed(proj, ops)
     else:
         q_up = blk.query_up(blk.q_residual(proj, ops), ops)
     # HCA: the output projection's weights into the L2 while the queries' norm and the attention run
     prefetching = sch.attn_type is AttentionType.HCA and \
         prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
-    # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
-    # conversion kernel runs before the attention (the same rounding the kernels would do)
-    q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
-    if csa:
+    if csa and up_branch is None:
         # the scan's queries on this stream; the attention's on the side branch, beside the scan
         up_ready = _recorded(main)
         with on(side):
@@ -157,6 +173,8 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     if side is not None:
         main.wait_stream(side)
         main.wait_stream(table)
+    if up_branch is not None:
+        main.wait_stream(up_branch)
     if not csa and q_after_join:
         q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
@@ -206,6 +224,16 @@ _COMPRESSOR_INPUTS = ("c", "z", "ic", "iz", "iw")
 #: attention joins). Splitting BF16 weights into two such GEMMs was slower at every row (HCA B = 64
 #: 153 -> 161), so the split follows the weight formats
 SPLIT_INPUT_GEMMS = {AttentionType.CSA: 1, AttentionType.HCA: 2}
+
+#: CSA decode rows (first, last) whose step runs the indexer's q up-projection alone first, then the
+#: attention's on a branch of its own (`side_stream(dev, 2)`) beside the indexer's queries, scan and
+#: top-k, joined before the attention. H100, 128K, BF16 / FP8 weights, µs, two rounds (forty-fifth
+#: round): B = 4 149.5-150.0 / 116.1-117.1 -> 146.6-148.6 / 112.1-112.5, B = 16 172.3-172.9 /
+#: 136.7-137.0 -> 170.7-171.2 / 133.2-133.7; but B = 1 130.4-130.9 / 93.9 -> 132.4-132.5 / 96.8-97.3
+#: and B = 64 252.3-253.3 / 225.9-226.9 -> 254.0-255.3 / 224.5-227.2 (the GEMMs starve the side
+#: branch's indexer compressor and key write, which the scan waits for; forking the branch beside
+#: the indexer's GEMM, or after the keys, measured no better)
+SPLIT_QUERY_UP = (2, 32)
 
 #: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row
 #: GEMV, so no norm kernel runs between the input projections and it; more rows run the norm kernel

@@ -149,3 +149,15 @@ class FusedProjection:
             y_dense = ops.linear(x, dense, norm=norm) if dense is not None else None
             y_fp8 = ops.linear_fp8(x, *self._fp8, norm=norm) if self._fp8 is not None else None
         return tuple((y_fp8 if fp8 else y_dense)[:, c:c + n] for (fp8, c), n in zip(self._cols, self.sizes))
+
+    def part(self, x: torch.Tensor, i: int, ops: types.SimpleNamespace | None = None,
+             norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Part i's projection alone (`__call__`'s i-th output, as a contiguous tensor): one GEMM over
+        its rows of the fused buffer (a view: no weight is copied)."""
+        ops = ops or ops_for(x.device, "reference")
+        dense = self.weight()
+        (fp8, c), n = self._cols[i], self.sizes[i]
+        if not fp8:
+            return ops.linear(x, dense[c:c + n], norm=norm)
+        codes, scale = self._fp8
+        return ops.linear_fp8(x, codes[c:c + n], scale[c // BLOCK:-(-(c + n) // BLOCK)], norm=norm)

@@ -219,7 +219,17 @@ class AttentionSubBlock(nn.Module):
     def query_up_normed(self, proj: dict[str, torch.Tensor], ops: types.SimpleNamespace) -> dict[str, torch.Tensor]:
         """`query_up(q_residual(proj))` with the q_a norm inside the GEMMs: a one-row GEMV normalises
         x itself, so no norm kernel runs between the input projections and the q up-projection."""
-        return dict(zip(self._q_up_names, self._q_up(proj["q_a"], ops, (self.q_a_norm.weight, self.cfg.rms_norm_eps))))
+        return dict(zip(self._q_up_names, self._q_up(proj["q_a"], ops, self.qa_norm())))
+
+    def query_up_part(self, name: str, q_res: torch.Tensor, ops: types.SimpleNamespace,
+                      norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """`query_up(q_res)[name]` alone, one GEMM (norm: q_res is then x W_qa, normalised inside,
+        as `query_up_normed`)."""
+        return self._q_up.part(q_res, self._q_up_names.index(name), ops, norm)
+
+    def qa_norm(self) -> tuple[torch.Tensor, float]:
+        """The q_a norm's (weight, eps), for GEMMs that apply it themselves."""
+        return self.q_a_norm.weight, self.cfg.rms_norm_eps
 
     def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
