@@ -158,6 +158,31 @@ def test_synthetic_decode_state_is_valid(one_thread):
         assert out.shape == (2, cfg.hidden_size) and torch.isfinite(out.float()).all()
 
 
+def test_synthetic_indexer_keys_do_not_repeat_within_a_request(one_thread, monkeypatch):
+    """The synthetic cache tiles a pattern of encoded rows over the pages; the indexer's pattern covers
+    a whole request, so no key (and no score) repeats within a request's row, while a pattern shorter
+    than a request (here 64 rows, 8 pages) is tiled for the main entries."""
+    from dsv4.bench import setup
+    monkeypatch.setattr(setup, "_PATTERN_ROWS", 64)
+    cfg, tpb = bench_config(quick=True)
+    st = build_decode_state(cfg, context=1024, batch=2, device=torch.device("cpu"), tokens_per_block=tpb,
+                            kv_format="fp8_ds", indexer_format="mxfp4")
+    b = st.batch
+    checked = 0
+    for pool in st.mgr.paged.values():
+        if pool.indexer is None:
+            continue
+        for r in range(b.num_requests):
+            pages = b.block_table[r][b.block_table[r] >= 0].long()
+            assert len(pages) * pool.schema.entries_per_block > 64        # longer than the short pattern
+            rows = torch.cat([v[pages].reshape(-1, v.shape[-1]) for v in pool.indexer.values()], 1)
+            assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]
+            main = next(iter(pool.kv.values()))[pages]
+            assert torch.equal(main[:8], main[8:16])                      # the main entries' short pattern
+            checked += 1
+    assert checked == 2
+
+
 def test_bad_arguments_exit_with_usage_status():
     with pytest.raises(SystemExit) as e:
         main(["--contexts", "lots"])

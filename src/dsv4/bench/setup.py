@@ -7,7 +7,11 @@ depend on the values, only on the cache being valid. So:
     requests    add_request, then `advance_request`: prepare_forward plans C - 1 tokens
                 (allocates their blocks, bumps the length) and nothing touches the cache bytes
     pages       a few thousand random rows encoded with the pool's format, tiled over every
-                page (raw random bytes would decode to NaN fp8 / huge scales)
+                page (raw random bytes would decode to NaN fp8 / huge scales); the indexer's
+                keys with a request's worth of distinct rows, so that no score repeats within a
+                request's row (a short pattern repeats each one n / 4,096 times: ties at the
+                top-k's k-th score, and group maxima that repeat with the pattern, which a real
+                cache does not have)
     window      the last W positions t-W .. t-1 (t = C - 1) at rows p % W, encoded random rows,
                 head = t
     compressor  online-softmax states (M, S, A) with finite random values; a pending entry
@@ -78,7 +82,7 @@ def build_decode_state(cfg: DSV4Config, *, context: int, batch: int, device: tor
     for pool in mgr.paged.values():
         fill_pages(pool.kv, pool.schema.kv_format, gen)
         if pool.indexer is not None:
-            fill_pages(pool.indexer, pool.schema.indexer_format, gen)
+            fill_pages(pool.indexer, pool.schema.indexer_format, gen, distinct_blocks=per_request)
     slots = torch.tensor(slot_ids, dtype=torch.long, device=device)
     for layer_idx, st in mgr.states.items():
         fill_state(st, mgr.schemas[layer_idx], slots, context - 1, gen)
@@ -102,10 +106,12 @@ def advance_request(mgr: KVCacheManager, request_id: str, tokens: int) -> None:
         tokens -= n
 
 
-def fill_pages(views: dict[str, torch.Tensor], fmt: EntryFormat, gen: torch.Generator) -> None:
-    """Fill every page of a pool (region views [N, P, bytes]) with valid encoded random entries."""
+def fill_pages(views: dict[str, torch.Tensor], fmt: EntryFormat, gen: torch.Generator, distinct_blocks: int = 1
+               ) -> None:
+    """Fill every page of a pool (region views [N, P, bytes]) with valid encoded random entries: a
+    pattern of at least `distinct_blocks` pages (and _PATTERN_ROWS rows) of distinct rows, tiled."""
     n_blocks, per_page = next(iter(views.values())).shape[:2]
-    pat_blocks = max(1, min(n_blocks, _PATTERN_ROWS // per_page))
+    pat_blocks = max(1, min(n_blocks, max(_PATTERN_ROWS // per_page, distinct_blocks)))
     dev = next(iter(views.values())).device
     parts = fmt.encode(torch.randn(pat_blocks * per_page, fmt.dim, device=dev, generator=gen))
     reps = max(1, min(n_blocks // pat_blocks, 16))   # fewer, larger copies
