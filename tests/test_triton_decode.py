@@ -202,6 +202,61 @@ def test_indexer_scores_many_tiles():
     assert torch.isinf(out[0, lens[0] // 4:]).all()
 
 
+def _slot_maxima(scores: torch.Tensor, num_entries: torch.Tensor, block_n: int, programs: int, slots: int):
+    """torch's group maxima of the pointer scan's layout: program p scans tiles p, p + P, ... of
+    block_n entries up to its request's last tile; entry i of a tile joins slot i mod `slots` of its
+    program. As int32 keys (`topk._keys`), INT32_MIN for a slot that saw no tile."""
+    bsz, n = scores.shape
+    bits = scores.view(torch.int32)
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    i = torch.arange(n, device=scores.device)
+    tile = i // block_n
+    scanned = tile[None, :] < (num_entries.long()[:, None].clamp(max=n) + block_n - 1) // block_n
+    keys = torch.where(scanned, keys, -2 ** 31)
+    want = torch.full((bsz, programs * slots), -2 ** 31, dtype=torch.int64, device=scores.device)
+    want.scatter_reduce_(1, ((tile % programs) * slots + i % block_n % slots).expand_as(keys), keys, "amax")
+    return want
+
+
+@pytest.mark.parametrize("groups", [16, 4096])
+@pytest.mark.parametrize("block_n,programs", [(16, 1), (16, 3), (32, 2), (16, 300)])
+def test_pointer_scan_group_maxima(block_n, programs, groups, monkeypatch):
+    """The pointer scan's group maxima (`scores_and_maxima(group_max=True)` where it runs) against
+    torch's over its own scores: requests of 0 .. 100 entries, ending inside and at tile boundaries
+    (short ones leave programs without a tile), a program a tile (300 asked), slots folded below
+    the tile (about 16 maxima a row) and not. The scores are the scan's without maxima."""
+    from dsv4.kernels.triton import indexer_scores
+    monkeypatch.setattr(indexer_scores, "SCAN_GROUPS", groups)
+    args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
+    kw = dict(block_n=block_n, num_programs=programs, precision="bf16x2", tma=False)
+    scores, gm = tri.scores_and_maxima(*args, group_max=True, **kw)
+    assert torch.equal(scores, tri.paged_indexer_scores(*args, **kw))
+    p = min(programs, -(-args[6] // block_n))
+    slots = gm.shape[1] // p
+    assert gm.shape[1] == p * slots and block_n % slots == 0 and slots & (slots - 1) == 0
+    assert torch.equal(gm.long(), _slot_maxima(scores, args[5], block_n, p, slots))
+
+
+@pytest.mark.gpu
+def test_decode_indexer_topk_pointer_scan_maxima():
+    """Few long requests (the pointer scan's batches) at V4 shapes: its group maxima as torch finds
+    them, and `decode_indexer_topk` through the filter bounded by them equal to the reference top-k
+    of its scores; maxima claimed too high change the picks (the given bound is read)."""
+    from dsv4.kernels.triton import topk
+    lens = tuple(4 * e + 3 for e in (9000, 8193, 20000))
+    args = scores_args("real", "mxfp4", lens, 64)
+    scores, gm = tri.scores_and_maxima(*args, tma=False, group_max=True)
+    n = scores.shape[1]
+    assert n > topk.FILTER_MIN_SCORES and 512 <= gm.shape[1] <= topk.GIVEN_GROUPS_MAX
+    p = min(-(-n // 64), -(-2 * torch.cuda.get_device_properties(0).multi_processor_count // len(lens)))
+    assert torch.equal(gm.long(), _slot_maxima(scores, args[5], 64, p, gm.shape[1] // p))
+    top = tri.decode_indexer_topk(*args, 512, tma=False)
+    assert torch.equal(top, ref.topk_smaller_index(scores, 512, order="index"))
+    high = gm.clone()
+    high[:, :600] = 2 ** 31 - 1
+    assert not torch.equal(tri.topk_smaller_index(scores, 512, group_max=high, order="index"), top)
+
+
 def _tma_args(ents: tuple[int, ...]):
     """V4 indexer shapes (64 heads, D_I 128, 64 keys a page) with these entry counts; skips where the
     TMA scan cannot run (it needs an sm_90 GPU)."""

@@ -23,10 +23,10 @@ from dsv4.kernels.triton.topk import topk_smaller_index
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor],
                         fmt: EntryFormat, block_table: torch.Tensor, num_entries: torch.Tensor, max_entries: int,
                         epb: int, k: int, weight_scale: float = 1.0, **tuning) -> torch.Tensor:
-    """The reference's `decode_indexer_topk`, identical result. Where the TMA scan runs it also keeps
-    the maxima of its row slots (disjoint groups of each row, 64 a program), so the top-k's filter
-    bounds the k-th score from them instead of re-reading the scores for its own maxima. tuning:
-    `scores_and_maxima`'s keyword arguments."""
+    """The reference's `decode_indexer_topk`, identical result. The scan (TMA or pointer) also keeps
+    the maxima of its row slots (disjoint groups of each row, 64 a TMA program, a power of two a
+    pointer-scan program), so the top-k's filter bounds the k-th score from them instead of
+    re-reading the scores for its own maxima. tuning: `scores_and_maxima`'s keyword arguments."""
     scores, gmax = scores_and_maxima(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb,
                                      weight_scale, group_max=True, **tuning)
     return topk_smaller_index(scores, k, group_max=gmax, order="index")

@@ -15,6 +15,11 @@ column and row by shifts; -18% instructions in the loop).
 PREFETCH (default): software pipelining by hand. Iteration t issues the block-table lookups of
 tile t + 2P and the key / scale loads of tile t + P (whose page ids arrived an iteration ago)
 before it decodes and multiplies tile t, so the dependent load chain overlaps the math.
+SLOTS (where the top-k asks for group maxima, `indexer_scores.scores_and_maxima(group_max=True)`):
+each program also keeps the maxima of SLOTS slots over its tiles (entry i of a tile in slot i mod
+SLOTS) and stores them as the top-k's keys, so the filter's bound comes from them: at one row the
+top-k's own maxima kernel and its memset leave the step (H100, CSA indexer 128K B = 1 23.1 ->
+18.5 µs, 64K B = 4 25.2 -> 21.4; forty-fifth round).
 KEYS_M=False: the previous orientation (q [H, D] in registers as operand A, K^T in shared
 memory as B), kept for tuning.
 
@@ -146,14 +151,14 @@ def _query_parts(qt, NATIVE: tl.constexpr):
 
 @triton.jit
 def _indexer_scan_kernel(
-        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr,
-        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt,
+        q_ptr, w_ptr, out_ptr, data_ptr, scale_ptr, glob_ptr, bt_ptr, nent_ptr, gmax_ptr,
+        s_qb, s_qh, s_wb, s_ob, s_dp, s_dr, s_sp, s_sr, s_gp, s_gr, s_bt, s_mb,
         num_tiles, max_entries, max_blocks, out_scale, w_scale, EPB: tl.constexpr,
         FMT: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
         D: tl.constexpr, NW: tl.constexpr, WPG: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
         KEYS_M: tl.constexpr,
         UNIT: tl.constexpr, UNIT_MUL: tl.constexpr, SCALE_T: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr):
+        SLOTS: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0)
     p0 = tl.program_id(1)
@@ -172,6 +177,8 @@ def _indexer_scan_kernel(
     bt_row = bt_ptr + b * s_bt
     ar = tl.arange(0, BLOCK_N)
     out_row = out_ptr + b * s_ob
+    if SLOTS:       # running maxima of the program's slots (entry i of a tile is slot i mod SLOTS), as keys
+        gm = tl.full([SLOTS], -2147483648, tl.int32)
 
     if PREFETCH:
         o0 = p0 * BLOCK_N + ar
@@ -210,10 +217,17 @@ def _indexer_scan_kernel(
             if PREC == 2:
                 s += tl.dot(qt_lo, kt, input_precision=ip)
             score = tl.sum(tl.maximum(s, 0.0) * wts[:, None], axis=0) * (gl * out_scale)
-        tl.store(out_row + offs, tl.where(valid, score, float("-inf")), mask=offs < max_entries)
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(out_row + offs, score, mask=offs < max_entries)
+        if SLOTS:
+            bits = score.to(tl.int32, bitcast=True)
+            key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                  # `topk._keys`
+            gm = tl.maximum(gm, tl.max(tl.reshape(key, [BLOCK_N // SLOTS, SLOTS]), axis=0))
         if PREFETCH:
             words, sc, gl = words_n, sc_n, gl_n
             pg_n, rw_n = pg_nn, rw_nn
+    if SLOTS:
+        tl.store(gmax_ptr + b * s_mb + p0 * SLOTS + tl.arange(0, SLOTS), gm)
     # tiles past this request's entries: -inf only
     first = p0 + tl.cdiv(tl.maximum(nt - p0, 0), step) * step
     for tile in range(first, num_tiles, step):
@@ -240,20 +254,26 @@ def scan_supported(fmt_name: str, dim: int, data, scale, prec: int) -> bool:
 
 def launch_scan(grid, q, weights, out, data, scale, glob, block_table, num_entries, tiles, max_entries, epb,
                 weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, prefetch: bool, keys_m: bool,
-                num_warps: int, num_stages: int | None, asm: bool = True):
+                num_warps: int, num_stages: int | None, asm: bool = True, gmax=None):
+    """gmax: [B, P x slots] int32 (P = grid[1], slots a power of two dividing block_n): program p's
+    slot j keeps the maximum key (`topk._keys`) of its entries tile * block_n + i (i = j mod slots)
+    over the tiles it scans, INT32_MIN where it scans none."""
     heads, dim = q.shape[1], q.shape[2]
+    slots = 0 if gmax is None else gmax.shape[1] // grid[1]
+    assert gmax is None or (slots * grid[1] == gmax.shape[1] and block_n % slots == 0 and not slots & (slots - 1))
     ge = _group_size(fmt_name)                       # elements per scale group
     extra = {"num_stages": num_stages} if num_stages else {}
     return _indexer_scan_kernel[grid](
-        q, weights, out, data, scale, glob, block_table, num_entries,
+        q, weights, out, data, scale, glob, block_table, num_entries, out if gmax is None else gmax,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
         scale.stride(0), scale.stride(1), glob.stride(0), glob.stride(1), block_table.stride(0),
+        0 if gmax is None else gmax.stride(0),
         tiles, max_entries, block_table.shape[1], dim ** -0.5, weight_scale, EPB=epb,
         FMT=3 if fmt_name == "mxfp4" else 4, PREC=prec, NATIVE=cuda, H=heads,
         BLOCK_H=max(16, triton.next_power_of_2(heads)), D=dim, NW=dim // 8, WPG=ge // 8, BLOCK_N=block_n,
         PREFETCH=prefetch, KEYS_M=keys_m, UNIT=14, UNIT_MUL=2.0 ** 14,
         SCALE_T=_SCALE_WORD[dim // ge],
-        ASM=cuda and fmt_name == "mxfp4" and asm, num_warps=num_warps, **extra,
+        ASM=cuda and fmt_name == "mxfp4" and asm, SLOTS=slots, num_warps=num_warps, **extra,
         **pdl_launch(q.device))
 
 

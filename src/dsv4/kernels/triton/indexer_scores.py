@@ -75,6 +75,10 @@ TMA_TILES = 4096
 #: its int8 MMA from this many tiles (below, the int8 queries' kernel costs more than it saves). H100,
 #: 128K, int8 / bf16 µs: B = 64 94.7 / 98.5, B = 16 33.0 / 32.0, B = 8 21.7 / 20.5
 TMA_INT8_TILES = 16384
+#: group maxima a row the pointer scan keeps for the top-k's filter where asked (`group_max`): its
+#: programs' slots folded to a power of two each, so a row gets SCAN_GROUPS / 2 .. SCAN_GROUPS of them
+#: (the filter's bound wants FILTER_GROUPS x k = 2,048 at k = 512, and takes up to GIVEN_GROUPS_MAX)
+SCAN_GROUPS = 4096
 DEFAULT_PRECISION = {"mxfp4": "bf16", "bf16_i": "bf16", "fp8": "bf16x2", "nvfp4": "bf16x2", "fp32_i": "ieee"}
 
 
@@ -183,11 +187,11 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
             `indexer_scan_tma.MAXNREG` or `MAXNREG_INT8`).
             tma_int8: its int8 MMA where the keys and queries fit it exactly (else its bf16 one); by
                 default from TMA_INT8_TILES key tiles in the batch.
-        group_max: where the TMA scan runs, also the maxima of disjoint groups of each row's scores
-            (the top-k filter's bound: `topk.topk_smaller_index(group_max=...)`).
+        group_max: where the TMA scan or the pointer scan runs, also the maxima of disjoint groups of
+            each row's scores (the top-k filter's bound: `topk.topk_smaller_index(group_max=...)`).
     Returns:
         ([B, N] fp32, -inf at w >= num_entries[b]; [B, G] int32 group maxima as the top-k's keys, or
-        None where the TMA scan did not run or group_max is False).
+        None where neither scan ran or group_max is False).
     """
     if fmt.name not in _IDX_FMT:
         raise FormatError(f"paged_indexer_scores reads indexer formats {tuple(_IDX_FMT)}, got {fmt.name!r}")
@@ -244,14 +248,18 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
         # 71.9, 1M B = 1 25.6 / 23.5 / 24.3 / 27.2; 128K B = 64 (32,768 tiles) 16 per SM 238, 8 per SM 259
         total = bsz * stiles
         sper = 16 if total >= SCAN_MANY_TILES else (4 if total >= SCAN_SOME_TILES else 2)
-        snp = num_programs or (min(stiles, max(1, triton.cdiv(sper * sm_count(q.device), bsz))) if cuda else 2)
-        k = indexer_scan.launch_scan((bsz, min(snp, stiles)), q, weights, out, data, scale, glob, block_table,
+        snp = min(stiles, num_programs or (max(1, triton.cdiv(sper * sm_count(q.device), bsz)) if cuda else 2))
+        gmax = None
+        if group_max:   # slots a program: about SCAN_GROUPS maxima a row in all
+            slots = min(sbn, 1 << max(0, (SCAN_GROUPS // snp).bit_length() - 1))
+            gmax = torch.empty(bsz, snp * slots, dtype=torch.int32, device=q.device)
+        k = indexer_scan.launch_scan((bsz, snp), q, weights, out, data, scale, glob, block_table,
                                      num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,
                                      cuda=cuda,
                                      block_n=sbn, prefetch=prefetch, keys_m=keys_m,
-                                     num_warps=num_warps or 4, num_stages=num_stages)
+                                     num_warps=num_warps or 4, num_stages=num_stages, gmax=gmax)
         note_compile("indexer_scores", k)
-        return out, None
+        return out, gmax
     extra = {"num_stages": num_stages} if num_stages else {}
     k = _indexer_scores_kernel[(bsz, min(nprog, tiles))](
         q, weights, out, data, scale, glob, block_table, num_entries,
