@@ -169,6 +169,30 @@ def test_topk_filter_given_maxima(n, k, groups, period, block):
     _check(s, period + 1, groups=4 * (period + 1), group_max=few)
 
 
+def test_topk_filter_given_maxima_folded(monkeypatch):
+    """More given maxima than the bound takes (`BOUND_GROUPS`; a one-row TMA scan at 1M gives 33,792):
+    `_bound_kernel` folds maxima i, i + NG, ... onto group i mod NG in FOLDS loads, giving the bound
+    of the maxima folded by torch first (its every digit, so one fold left out shows), and the
+    filter stays exact."""
+    from dsv4.kernels.triton import topk
+    monkeypatch.setattr(topk, "BOUND_GROUPS", 16)
+    gen = torch.Generator().manual_seed(7)
+    n, k, groups = 1000, 16, 192                         # 192 maxima -> 16 groups, 12 folds
+    s = _rows(6, n, gen).to(DEVICE)
+    gk = _group_keys(s, groups, 64)
+    _check(s, k, groups=64, group_max=gk)
+    _check(s, k, groups=64, group_max=gk, order="index")
+    top = gk.clone()
+    top[:, 16:32] = 2 ** 30 + torch.arange(16, device=DEVICE) * 1000     # fold 1 holds every group's maximum
+    bounds = []
+    for given, folds in ((gk, 12), (gk.view(6, 12, 16).amax(1), 1), (top, 12), (top.view(6, 12, 16).amax(1), 1)):
+        lb = torch.empty(6, 1, dtype=torch.int32, device=DEVICE)
+        topk._bound_kernel[(6,)](given.contiguous(), lb, given.shape[1], given.shape[1], k, NG=16, FOLDS=folds,
+                                 PASSES=7, DIGIT=topk.DIGIT, PDL=False)      # all bits: the exact k-th
+        bounds.append(lb)
+    assert torch.equal(bounds[0], bounds[1]) and torch.equal(bounds[2], bounds[3])
+
+
 def _neg_nan(n: int) -> torch.Tensor:
     """NaNs with the sign bit set: their keys sort below -inf's (the reference picks them after it)."""
     return torch.full((n,), -4194304, dtype=torch.int32).view(torch.float32)      # 0xFFC00000

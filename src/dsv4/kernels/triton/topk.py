@@ -363,17 +363,18 @@ def _group_max_kernel(s_ptr, gmax_ptr, lb_ptr, arrive_ptr, s_row, g_row, N, K, C
 
 
 @triton.jit
-def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, PASSES: tl.constexpr,
-                  DIGIT: tl.constexpr, PDL: tl.constexpr):
+def _bound_kernel(gmax_ptr, lb_ptr, g_row, n_groups, K, NG: tl.constexpr, FOLDS: tl.constexpr,
+                  PASSES: tl.constexpr, DIGIT: tl.constexpr, PDL: tl.constexpr):
     """Program b: row b's bound `_row_bound` from its n_groups group maxima given as int32 keys
-    (gmax[b], e.g. the indexer scan's), those past NG folded onto the first (n_groups <= 2 NG; a
-    merged group's maximum is the larger one) -> lb[b]. PDL: see `pdl_enter`."""
+    (gmax[b], e.g. the indexer scan's), those past NG folded onto the first (n_groups <= FOLDS NG;
+    a merged group's maximum is the largest one) -> lb[b]. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     ga = tl.arange(0, NG)
     row = gmax_ptr + b * g_row
-    gk = tl.maximum(tl.load(row + ga, mask=ga < n_groups, other=-2147483648),
-                    tl.load(row + NG + ga, mask=NG + ga < n_groups, other=-2147483648))
+    gk = tl.load(row + ga, mask=ga < n_groups, other=-2147483648)
+    for f in tl.static_range(1, FOLDS):
+        gk = tl.maximum(gk, tl.load(row + f * NG + ga, mask=f * NG + ga < n_groups, other=-2147483648))
     thr = _row_bound((gk ^ -2147483648).to(tl.uint32, bitcast=True), K, NG, PASSES, DIGIT)
     tl.store(lb_ptr + b, thr.to(tl.int32, bitcast=True))
 
@@ -509,8 +510,10 @@ FILTER_PASSES = 3
 FILTER_MIN_SCORES = 2 * DEFAULT_CHUNK
 #: scores per filter program on CUDA (a row's chunks are filtered side by side)
 FILTER_CHUNK = 4096
-#: given group maxima a row `_bound_kernel` takes (folded to half their power of two; more: not read)
-GIVEN_GROUPS_MAX = 8192
+#: given group maxima a row `_bound_kernel` takes (more: the top-k finds its own maxima)
+GIVEN_GROUPS_MAX = 65536
+#: ... folded onto half their power of two, at most this many (the bound's select runs over them)
+BOUND_GROUPS = 4096
 #: candidates the filter's select holds in registers (more are re-read per pass)
 FILTER_BLOCK = 1024
 #: scores a filter program compacts at a time on CUDA (H100, CSA B = 64 cache-side 128K / 1M, µs, at rows
@@ -577,9 +580,13 @@ def _filter(scores: torch.Tensor, out: torch.Tensor, k: int, ng: int, chunk: int
                                     STEPS=triton.next_power_of_2(steps), NG=triton.next_power_of_2(p * g),
                                     PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     else:
-        # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048)
-        ngf = max(triton.next_power_of_2(group_max.shape[1]) // 2, triton.next_power_of_2(k))
-        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), group_max.shape[1], k, NG=ngf,
+        # the given groups folded to a power of two (the scan's 64 P: 2,112 at B = 64 -> 2,048), at most
+        # BOUND_GROUPS (33,792 from a one-row TMA scan at 1M -> 4,096)
+        ng_given = group_max.shape[1]
+        kp = triton.next_power_of_2(k)
+        ngf = min(max(triton.next_power_of_2(ng_given) // 2, kp), max(BOUND_GROUPS, kp))
+        _bound_kernel[(bsz,)](group_max, bound, group_max.stride(0), ng_given, k, NG=ngf,
+                              FOLDS=triton.cdiv(ng_given, ngf),
                               PASSES=FILTER_PASSES, DIGIT=digit or DIGIT, num_warps=4, **pdl_launch(dev))
     blk = block or min(triton.next_power_of_2(ch), FILTER_TILE if cuda else 1024)
     assert blk <= 32768, "the collect packs two counts of one block into an int32"
