@@ -162,6 +162,9 @@ def main() -> int:
                    dict(precision="bf16x2", block_n=128, keys_m=False, prefetch=False)]:
             report(f"scan {kw}", scn, "_indexer_scan_kernel",
                    lambda kw=kw: sc.paged_indexer_scores(*sargs, num_programs=2, num_warps=4, **kw))
+        report("scan group maxima (bf16, block_n 64, 64 slots)", scn, "_indexer_scan_kernel",
+               lambda: sc.scores_and_maxima(*sargs, num_programs=2, num_warps=4, precision="bf16", block_n=64,
+                                            tma=False, group_max=True))
     if "scan" in which or "scan_tma" in which:
         from dsv4.kernels.triton import indexer_scan_tma as ts
         typed = ifmt.typed(pool.indexer)
