@@ -237,6 +237,19 @@ def test_pointer_scan_group_maxima(block_n, programs, groups, monkeypatch):
     assert torch.equal(gm.long(), _slot_maxima(scores, args[5], block_n, p, slots))
 
 
+def test_scan_maxima_min_groups():
+    """`min_groups`: the scan keeps its maxima only where they are at least that many a row (the
+    top-k's filter bounds loosely from fewer); the scores do not change either way."""
+    args = scores_args("tiny", "mxfp4", TINY_LENS, 16)
+    kw = dict(block_n=16, num_programs=3, precision="bf16x2", tma=False)
+    scores, gm = tri.scores_and_maxima(*args, group_max=True, **kw)
+    g = gm.shape[1]
+    kept, gm2 = tri.scores_and_maxima(*args, group_max=True, min_groups=g, **kw)
+    assert torch.equal(gm2, gm) and torch.equal(kept, scores)
+    dropped, none = tri.scores_and_maxima(*args, group_max=True, min_groups=g + 1, **kw)
+    assert none is None and torch.equal(dropped, scores)
+
+
 @pytest.mark.gpu
 def test_decode_indexer_topk_pointer_scan_maxima():
     """Few long requests (the pointer scan's batches) at V4 shapes: its group maxima as torch finds

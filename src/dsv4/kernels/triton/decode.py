@@ -17,7 +17,7 @@ import torch
 from dsv4.cache.formats import EntryFormat
 from dsv4.kernels.triton.decode_attention import decode_attention
 from dsv4.kernels.triton.indexer_scores import paged_indexer_scores, scores_and_maxima
-from dsv4.kernels.triton.topk import topk_smaller_index
+from dsv4.kernels.triton.topk import FILTER_GIVEN_MIN, topk_smaller_index
 
 
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor],
@@ -26,9 +26,11 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[
     """The reference's `decode_indexer_topk`, identical result. The scan (TMA or pointer) also keeps
     the maxima of its row slots (disjoint groups of each row, 64 a TMA program, a power of two a
     pointer-scan program), so the top-k's filter bounds the k-th score from them instead of
-    re-reading the scores for its own maxima. tuning: `scores_and_maxima`'s keyword arguments."""
+    re-reading the scores for its own maxima, where it keeps FILTER_GIVEN_MIN a pick or more (fewer
+    bound the k-th score loosely: the filter then finds its own). tuning: `scores_and_maxima`'s
+    keyword arguments."""
     scores, gmax = scores_and_maxima(q, weights, idx_views, fmt, block_table, num_entries, max_entries, epb,
-                                     weight_scale, group_max=True, **tuning)
+                                     weight_scale, group_max=True, min_groups=FILTER_GIVEN_MIN * k, **tuning)
     return topk_smaller_index(scores, k, group_max=gmax, order="index")
 
 

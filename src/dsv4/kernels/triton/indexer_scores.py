@@ -164,7 +164,7 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
                       prefetch: bool = True, keys_m: bool = True, tma: bool | None = None,
                       tma_stages: int = indexer_scan_tma.STAGES, tma_maxnreg: int | None = None,
                       tma_int8: bool | None = None,
-                      group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      group_max: bool = False, min_groups: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """I[b, w] = sum_h weights[b, h] * ReLU(q[b, h] . K_b[w]) * D_I^-1/2 over each request's keys.
 
     Args:
@@ -188,7 +188,8 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
             tma_int8: its int8 MMA where the keys and queries fit it exactly (else its bf16 one); by
                 default from TMA_INT8_TILES key tiles in the batch.
         group_max: where the TMA scan or the pointer scan runs, also the maxima of disjoint groups of
-            each row's scores (the top-k filter's bound: `topk.topk_smaller_index(group_max=...)`).
+            each row's scores (the top-k filter's bound: `topk.topk_smaller_index(group_max=...)`);
+            min_groups: only where the scan keeps at least this many a row (else none, and None).
     Returns:
         ([B, N] fp32, -inf at w >= num_entries[b]; [B, G] int32 group maxima as the top-k's keys, or
         None where neither scan ran or group_max is False).
@@ -229,8 +230,8 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
         per_sm = 16 if total >= SCAN_MANY_TILES else 4
         tnp = num_programs or max(1, triton.cdiv(per_sm * sm_count(q.device), bsz))
         gmax = None
-        if group_max:
-            nprog = indexer_scan_tma.programs_per_request(tnp, max_entries)
+        nprog = indexer_scan_tma.programs_per_request(tnp, max_entries)
+        if group_max and nprog * indexer_scan_tma.EPB >= min_groups:
             gmax = torch.empty(bsz, nprog * indexer_scan_tma.EPB, dtype=torch.int32, device=q.device)
         k = indexer_scan_tma.launch(q, weights, out, data, scale, block_table, num_entries, max_entries,
                                     weight_scale, tnp, stages=tma_stages,
@@ -250,8 +251,8 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
         sper = 16 if total >= SCAN_MANY_TILES else (4 if total >= SCAN_SOME_TILES else 2)
         snp = min(stiles, num_programs or (max(1, triton.cdiv(sper * sm_count(q.device), bsz)) if cuda else 2))
         gmax = None
-        if group_max:   # slots a program: about SCAN_GROUPS maxima a row in all
-            slots = min(sbn, 1 << max(0, (SCAN_GROUPS // snp).bit_length() - 1))
+        slots = min(sbn, 1 << max(0, (SCAN_GROUPS // snp).bit_length() - 1))    # about SCAN_GROUPS a row
+        if group_max and snp * slots >= min_groups:
             gmax = torch.empty(bsz, snp * slots, dtype=torch.int32, device=q.device)
         k = indexer_scan.launch_scan((bsz, snp), q, weights, out, data, scale, glob, block_table,
                                      num_entries, stiles, max_entries, epb, weight_scale, fmt_name=fmt.name, prec=prec,

@@ -504,10 +504,15 @@ FILTER_GROUPS = 4
 #: select digits the filter's bound keeps (3: within about 1% of the k-th group maximum)
 FILTER_PASSES = 3
 #: scores a CUDA row needs for the filter to be its path (shorter: one select; with `chunk` given: two
-#: stages). Every batch since the forty-fifth round: in a decode step at 128K (32,768 scores a row, the
-#: scan's maxima given), H100, µs, two stages -> filter: CSA indexer B = 1 26.0 -> 22.7, B = 4 34.8 ->
-#: 29.6, B = 16 52.6 -> 41.2 (it was the default from 32 rows, or from 65,536 scores, before)
-FILTER_MIN_SCORES = 2 * DEFAULT_CHUNK
+#: stages). Every batch since the forty-fifth round; rows of 4,097-8,192 since the forty-sixth. CSA decode,
+#: H100, indexer µs: 128K (32,768 scores) two stages -> filter B = 1 26.0 -> 22.7, B = 16 52.6 -> 41.2;
+#: 32K (8,192) one select -> filter B = 1 26.3 -> 16.9, B = 32 46.7 -> 34.5, B = 64 59.2 -> 55.5;
+#: 20K B = 64 50.8 -> 43.4
+FILTER_MIN_SCORES = DEFAULT_CHUNK
+#: scan maxima a pick worth handing to the filter (`decode.decode_indexer_topk`): fewer bound the k-th
+#: score loosely, so many scores pass as candidates. 64K decode at B = 48, the TMA scan's 704 maxima a
+#: row (1.4 a pick), H100, indexer µs: given 128.4, the filter's own 58.3 (forty-sixth round)
+FILTER_GIVEN_MIN = 2
 #: scores per filter program on CUDA (a row's chunks are filtered side by side)
 FILTER_CHUNK = 4096
 #: given group maxima a row `_bound_kernel` takes (more: the top-k finds its own maxima)
