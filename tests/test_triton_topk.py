@@ -243,7 +243,7 @@ def test_topk_strided_and_empty():
 @pytest.mark.parametrize("b", [1, 64])
 def test_topk_v4_sizes(b, n):
     """k = 512 over V4 score widths (8K / 24K / 128K / 1M contexts at m = 4), one-block and multi-block;
-    24K's 6,144 scores are the shortest rows the filter takes (`topk.FILTER_MIN_SCORES`)."""
+    24K's 6,144 scores: a row the filter takes since it starts above 4,096 (`topk.FILTER_MIN_SCORES`)."""
     gen = torch.Generator().manual_seed(b * n)
     rows = _rows(b, n, gen).to(DEVICE)
     ties = (torch.randn(b, n, generator=gen) * 1e-3).round(decimals=3).to(DEVICE)          # dense ties
