@@ -23,8 +23,13 @@ machine the same tests run on the GPU, plus a CUDA-graph replay test.
 
 from __future__ import annotations
 
+import math
+from decimal import Decimal, getcontext
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat, indexer_format, main_format
 from dsv4.errors import FormatError
@@ -32,6 +37,7 @@ from dsv4.kernels.reference import cache_ops as ref
 from dsv4.kernels.reference import decode as ref_decode
 from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
 from dsv4.kernels.triton import cache_ops as tri
+from dsv4.kernels.triton.cache_ops import cos_sin64
 from dsv4.model.config import DSV4Config
 from dsv4.model.rope import RopeTable
 
@@ -440,3 +446,52 @@ def test_decode_writes_replay_in_cuda_graph():
         for k in ("kvp", "idx"):   # block 0 row 0 takes every padding row: compare real blocks
             _assert_bytes_equal(s_ref[k][1:], s_tri[k][1:], k)
         pos += 1
+
+
+@triton.jit
+def _cos_sin64_probe(x_ptr, c_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c, s = cos_sin64(tl.load(x_ptr + i, mask=i < n, other=0.0))
+    tl.store(c_ptr + i, c, mask=i < n)
+    tl.store(s_ptr + i, s, mask=i < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cos_sin64_float32_exact(device: str):
+    """`cos_sin64` (the entry write's float64 cos / sin, no coefficient table) against torch's
+    float64 cos / sin: within 4 float64 ulps (relative) everywhere, at the quadrant edges too
+    (where the reduced angle cancels: down to 1e-15 at the integers closest to multiples of pi/2),
+    and the same float32 values at every RoPE angle of the V4 tables (fresh positions up to 2^24,
+    scales 1 / 4 / 128). On a GPU this also catches constants compiled as float32."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    inv = RopeTable.for_layer(DSV4Config.flash(), compressed=True).inv_freq_on(torch.device("cpu"))
+    pos = torch.cat([torch.tensor([0, 1, 127, 128, 129, 255, 256, 257, 2**20, 2**24 - 1]),
+                     torch.randint(0, 2**24, (300,), generator=g)])
+    rope = torch.cat([(pos * s).to(torch.float64)[:, None] * inv for s in (1, 4, 128)]).flatten()
+    k = torch.randint(0, 2**30, (2000,), generator=g).to(torch.float64)
+    edges = k * (math.pi / 2) + (torch.rand(2000, generator=g, dtype=torch.float64) - 0.5) * 1e-6
+    wide = torch.rand(2000, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-20, 41, (2000,), generator=g)
+    x = torch.cat([rope, edges, wide, torch.tensor(_near_quadrant_edges(), dtype=torch.float64)])
+    c = torch.full(x.shape, float("nan"), dtype=torch.float64, device=device)
+    s = torch.full(x.shape, float("nan"), dtype=torch.float64, device=device)
+    _cos_sin64_probe[(triton.cdiv(x.numel(), 256),)](x.to(device), c, s, x.numel(), BLOCK=256)
+    c, s = c.cpu(), s.cpu()
+    ulp = torch.finfo(torch.float64).eps
+    for got, want in ((c, x.cos()), (s, x.sin())):
+        assert ((got - want).abs() <= 4 * ulp * want.abs()).all(), "beyond 4 float64 ulps"
+        assert torch.equal(got[:rope.numel()].float(), want[:rope.numel()].float()), "a float32 RoPE value differs"
+
+
+def _near_quadrant_edges() -> list[float]:
+    """The integers p below 2^52 closest to multiples q pi/2 (the continued fraction's convergents
+    p / q of pi/2): |p - q pi/2| ~ 1 / q, where every part of the reduction's pi/2 counts."""
+    getcontext().prec = 80
+    half_pi = Decimal("1.5707963267948966192313216916397514420985846996875529104874722961539082031431045")
+    out, (p0, q0, p1, q1), f = [], (0, 1, 1, 0), half_pi
+    while True:
+        a = int(f)
+        p0, q0, p1, q1 = p1, q1, a * p1 + p0, a * q1 + q0
+        if p1 >= 2**52:
+            return out
+        out.append(float(p1))
+        f = 1 / (f - a)

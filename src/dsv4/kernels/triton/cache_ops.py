@@ -91,10 +91,54 @@ def _finish_loads(x_row, xs, w_ptr, inv_ptr, D: tl.constexpr, HALF_R: tl.constex
 
 
 @triton.jit
+def _f64(v: tl.constexpr):
+    """A float64 constant: a bare Python float in a kernel is a float32 one (rounded) even beside
+    float64 tensors."""
+    return tl.full([], v, tl.float64)
+
+
+@triton.jit
+def cos_sin64(x):
+    """cos(x), sin(x) in float64 for RoPE angles 0 <= x < 2^52: x less k pi/2 (k the nearest
+    quadrant; pi/2 as three float64 parts, each step one FMA, the first exact), then fdlibm's
+    kernel polynomials on [-pi/4, pi/4] with their coefficients as immediates. Within a few
+    float64 ulps of torch's, so the float32 values kept are the same (`test_cos_sin64_float32_exact`).
+
+    Why not tl.cos / tl.sin: libdevice's load their coefficients from a global table addressed by
+    the quadrant, two dependent round trips (DRAM after a prefill chunk's compressor) on the entry
+    write's chain; and its wide-range path gives the write a 48-byte stack (sm_90: 1,008 -> 768
+    instructions without them). H100, 32K prompt: HCA compress_flush 61.1 -> 57.4 µs (NOTES.md #194).
+    The decode step's rotary table (`norm_rope._cos_sin_kernel`) keeps libdevice's: there this
+    measured slower (HCA layer B = 1 +1.8 µs)."""
+    ki = (x * _f64(0.6366197723675814) + 0.5).to(tl.int64)
+    k = ki.to(tl.float64)
+    r = tl.fma(-k, _f64(1.5707963267948966), x)
+    r = tl.fma(-k, _f64(6.123233995736766e-17), r)
+    r = tl.fma(-k, _f64(-1.4973849048591698e-33), r)
+    z = r * r
+    ps = _f64(-2.50507602534068634195e-08) + z * _f64(1.58969099521155010221e-10)
+    ps = _f64(2.75573137070700676789e-06) + z * ps
+    ps = _f64(-1.98412698298579493134e-04) + z * ps
+    ps = _f64(8.33333333332248946124e-03) + z * ps
+    ps = _f64(-1.66666666666666324348e-01) + z * ps
+    sin_r = r + r * z * ps
+    pc = _f64(2.08757232129817482790e-09) + z * _f64(-1.13596475577881948265e-11)
+    pc = _f64(-2.75573143513906633035e-07) + z * pc
+    pc = _f64(2.48015872894767294178e-05) + z * pc
+    pc = _f64(-1.38888888888741095749e-03) + z * pc
+    pc = _f64(4.16666666666666019037e-02) + z * pc
+    cos_r = 1.0 - 0.5 * z + z * z * pc
+    q = (ki & 3).to(tl.int32)
+    cos_x = tl.where(q == 0, cos_r, tl.where(q == 1, -sin_r, tl.where(q == 2, -cos_r, sin_r)))
+    sin_x = tl.where(q == 0, sin_r, tl.where(q == 1, cos_r, tl.where(q == 2, -sin_r, -cos_r)))
+    return cos_x, sin_x
+
+
+@triton.jit
 def _finish_math(xn, even, odd, wn, we, wo, inv_f, out_row, eps, w, RATIO, D: tl.constexpr, HALF_R: tl.constexpr):
     """out_row[:D] = RoPE_{w*RATIO}(RMSNorm_weight(row)) fp32 from `_finish_loads`: `norm_rope`'s
     arithmetic, the rotation on the trailing 2 HALF_R channels' interleaved (even, odd) pairs with
-    cos / sin from float64 angles as `rope_cos_sin`. Only those pairs get angles: float64 cos / sin
+    cos / sin from float64 angles as `rope_cos_sin` (by `cos_sin64`). Only those pairs get angles: float64 cos / sin
     is long code on the FP64 units, and it used to run for all D/2 pairs (masked to 1 / 0 outside
     the rope part): 8x the work at D 512 (H200, 32K-token prefill: CSA compress_flush 138 -> 130
     µs, benchmarks/NOTES.md #66). Returns out_row once every thread's stores are visible to the
@@ -104,14 +148,15 @@ def _finish_math(xn, even, odd, wn, we, wo, inv_f, out_row, eps, w, RATIO, D: tl
     km = k < NOPE
     p = tl.arange(0, triton.next_power_of_2(max(HALF_R, 1)))
     pm = p < HALF_R
+    # the angles first: their math needs only w and inv_f, not the norm's two reductions (barriers)
+    c, s = cos_sin64((tl.maximum(w, 0) * RATIO).to(tl.float64) * inv_f)
+    c = c.to(tl.float32)
+    s = s.to(tl.float32)
     inv = 1.0 / tl.sqrt((tl.sum(xn * xn, axis=0) + tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D
                         + eps)
     xn = xn * inv * wn
     even = even * inv * we
     odd = odd * inv * wo
-    ang = (tl.maximum(w, 0) * RATIO).to(tl.float64) * inv_f
-    c = tl.cos(ang).to(tl.float32)
-    s = tl.sin(ang).to(tl.float32)
     tl.store(out_row + k, xn, mask=km)
     tl.store(out_row + NOPE + 2 * p, even * c - odd * s, mask=pm)
     tl.store(out_row + NOPE + 2 * p + 1, odd * c + even * s, mask=pm)
