@@ -148,7 +148,7 @@ def _finish_math(xn, even, odd, wn, we, wo, inv_f, out_row, eps, w, RATIO, D: tl
     km = k < NOPE
     p = tl.arange(0, triton.next_power_of_2(max(HALF_R, 1)))
     pm = p < HALF_R
-    # the angles first: their math needs only w and inv_f, not the norm's two reductions (barriers)
+    # the angles first: they need only w and inv_f, not the norm's two reductions (barriers)
     c, s = cos_sin64((tl.maximum(w, 0) * RATIO).to(tl.float64) * inv_f)
     c = c.to(tl.float32)
     s = s.to(tl.float32)
