@@ -182,6 +182,42 @@ def test_split_query_up_projection(fp8_weights, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
+def test_hca_one_row_urgent_branches(fp8_weights, monkeypatch):
+    """An HCA decode step of one row normalises q_a inside the q up-projection's GEMV and runs its
+    side branches on urgent streams: the priority changes no output bit (eager and replayed); the
+    in-GEMV norm is close to the norm kernel's path (its RMS sums in another order)."""
+    from dsv4.attention import decode_path
+    from dsv4.kernels.streams import side_stream
+    from dsv4.model.layer_schedule import AttentionType
+    cfg = real_dims_config()
+    layer = 2
+    assert cfg.layer_schedule()[layer].attn is AttentionType.HCA
+    dev = torch.device("cuda")
+    assert side_stream(dev, urgent=True) is not side_stream(dev)
+    assert side_stream(dev, 1, urgent=True).priority < side_stream(dev, 1).priority
+    assert side_stream(torch.device("cpu"), urgent=True) is None
+    w, xs, sched = _case(cfg, layer, {"a": 250}, 8, seed=3)          # decode rows 250 .. 257: one at a time
+    kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
+    normed = []
+    up = AttentionSubBlock.query_up_normed
+
+    def counted(self, *args, **kwargs):
+        normed.append(1)
+        return up(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionSubBlock, "query_up_normed", counted)
+    default = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
+    assert len(normed) >= 8, "one-row HCA steps take the in-GEMV q_a norm"
+    monkeypatch.setattr(decode_path, "URGENT_BRANCHES", ())
+    plain = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=True, **kw)
+    monkeypatch.setattr(decode_path, "QA_NORM_IN_GEMM", (AttentionType.CSA,))
+    kernel_norm = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), **kw)
+    assert torch.equal(default[0]["a"], default[1]["a"]) and torch.equal(default[1]["a"], plain["a"])
+    err = _rel_l2(default[0]["a"], kernel_norm["a"])
+    assert 0 < err <= 1e-2 or torch.equal(default[0]["a"], kernel_norm["a"]), err
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
 def test_engine_cuda_graphs_generate_the_same_tokens(fp8_weights):
     """The engine's decode graphs (captured per batch size) give the eager engine's tokens, with dense
     or FP8 block projection weights."""

@@ -75,7 +75,8 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     comp = blk.compressor
     csa = sch.attn_type is AttentionType.CSA
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-    side, table = side_stream(dev), side_stream(dev, 1)
+    urgent = sch.attn_type in URGENT_BRANCHES
+    side, table = side_stream(dev, urgent=urgent), side_stream(dev, 1, urgent=urgent)
     # FP8 q_a / kv beside dense compressor weights: the compressors' GEMM heads the side branch, so the
     # queries' chain goes on right after the FP8 one (the side branch waits for it before reading kv)
     split = side is not None and comp is not None and b.num_requests >= SPLIT_INPUT_GEMMS.get(sch.attn_type, 1 << 30) \
@@ -238,10 +239,19 @@ SPLIT_QUERY_UP = (2, 32)
 #: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row
 #: GEMV, so no norm kernel runs between the input projections and it; more rows run the norm kernel
 #: first as before). H100, 128K B = 1, BF16 / FP8 weights, µs (`benchmarks/qa_norm_sweep.sh`): CSA
-#: 137.2-137.7 / 103.2-103.7 -> 134.5-134.7 / 97.8-98.1; HCA 103.3-103.5 / 69.3-69.5 -> 104.0-104.1 /
-#: 72.5: there the FP8 GEMV's programs, launched early by programmatic dependent launch, take the SMs
-#: the side branch (rotary table, compressor, entry write, window) needs before the attention.
-QA_NORM_IN_GEMM = (AttentionType.CSA,)
+#: 137.2-137.7 / 103.2-103.7 -> 134.5-134.7 / 97.8-98.1. HCA alone 103.3-103.5 / 69.3-69.5 -> 104.0-104.1 /
+#: 72.5: the FP8 GEMV's programs, launched early by programmatic dependent launch, took the SMs the
+#: side branch (rotary table, compressor, entry write, window) needs before the attention; with
+#: that branch urgent (`URGENT_BRANCHES`) it pays (NOTES.md #197).
+QA_NORM_IN_GEMM = (AttentionType.CSA, AttentionType.HCA)
+
+#: layer types whose decode side branches (compressor chain and window; rotary table) run on urgent
+#: streams (`side_stream(urgent=True)`): their few small blocks go ahead of the q_b GEMV's. H100, 128K
+#: B = 1, BF16 / FP8 weights, µs, two rounds, with the q_a norm in the GEMV (NOTES.md #197): HCA
+#: 101.9-102.1 / 68.0-68.1 -> 99.3-99.6 / 64.4. CSA keeps plain streams (its scan, not the side
+#: branch, bounds the step; urgent: BF16 125.6-125.7 -> 126.2-126.4), as does prefill, where the
+#: main compressor yielding its SMs to the indexer chain cost CSA chunks (NOTES.md #58).
+URGENT_BRANCHES = (AttentionType.HCA,)
 
 #: decode rows up to which an HCA layer's output projection weights are prefetched into the L2 while
 #: the queries' norm and the attention run (measured at one row: at four, with a 0.75 share, every

@@ -12,17 +12,22 @@ import contextlib
 
 import torch
 
-_SIDE: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+_SIDE: dict[tuple[torch.device, int, bool], torch.cuda.Stream] = {}
+#: the priority of an urgent side stream (lower is higher; CUDA clamps it to the device's range)
+URGENT_PRIORITY = -5
 
 
-def side_stream(device: torch.device, which: int = 0) -> torch.cuda.Stream | None:
+def side_stream(device: torch.device, which: int = 0, urgent: bool = False) -> torch.cuda.Stream | None:
     """The device's side stream number `which` (0, or 1 for a second branch beside the first), or
-    None off CUDA (the branch then runs in order)."""
+    None off CUDA (the branch then runs in order). urgent: a stream of its own at high priority,
+    whose ready blocks the GPU schedules before those of the main stream's kernels (a CUDA graph
+    keeps the priority of each captured kernel)."""
     if device.type != "cuda":
         return None
-    if (device, which) not in _SIDE:
-        _SIDE[device, which] = torch.cuda.Stream(device)
-    return _SIDE[device, which]
+    key = (device, which, urgent)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device, priority=URGENT_PRIORITY if urgent else 0)
+    return _SIDE[key]
 
 
 def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
