@@ -85,6 +85,9 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
         with open(os.path.join(os.environ["SASS_DIR"], f"{fn.__name__}.{len(os.listdir(os.environ['SASS_DIR']))}.sass"),
                   "w") as f:
             f.write(sass)
+        if os.environ.get("TTGIR"):       # Triton's layouts: where a tile is converted or held
+            with open(f.name[:-len(".sass")] + ".ttgir", "w") as g:
+                g.write(k.asm["ttgir"])
         if os.environ.get("PTX"):         # the PTX beside it: which fence or wait ptxas was given
             with open(f.name[:-len(".sass")] + ".ptx", "w") as g:
                 g.write(k.asm["ptx"])
@@ -217,6 +220,21 @@ def main() -> int:
                            lambda aargs=aargs, r=r, dt=dt: att.decode_attention(
                                *aargs, scheme="two_pass", score_block_n=32, score_warps=8, value_block_n=32,
                                value_block_d=128, value_warps=4, value_splits=1, rope=r, out_dtype=dt))
+    if "qnorm" in which:        # the fused kernel's B = 1 tile (two splits), without and with the q norm inside
+        li = LAYER_INDEX["hca"]
+        s2, stt, p2 = mgr.schemas[li], mgr.states[li], mgr.paged[li]
+        aargs = (torch.randn(2, 64, 512).bfloat16(), stt.swa, s2.kv_format, stt.swa_pos, b.request_slots,
+                 b.positions, 128, p2.kv, b.block_table, s2.entries_per_block, None, b.seq_lens // 128,
+                 b.seq_len_bound // 128, torch.randn(64), 512 ** -0.5)
+        rope = (torch.rand(2, 32), torch.rand(2, 32))
+        from dsv4.kernels.triton import decode_combine as dcm
+        for qn, cap in ((None, {}), (1e-6, {}), (1e-6, {"maxnreg": 128})):
+            with captured(dcm, "_combine_kernel"):             # launched after it: intercepted too
+                report(f"attention hca block_h=16 block_n=32 warps=8 splits=2 q_norm={qn} {cap}", att,
+                       "_decode_attn_kernel",
+                       lambda qn=qn: att.decode_attention(*aargs, block_h=16, block_n=32, num_warps=8, num_splits=2,
+                                                          precision="bf16", rope=rope, q_norm=qn),
+                       num_stages=att.NUM_STAGES, **cap)
     if "topk" in which:
         s = torch.randn(2, 40000)
         for blk, w in [(16384, 16), (16384, 8), (8192, 16), (8192, 8), (4096, 8)]:

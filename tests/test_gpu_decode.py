@@ -218,6 +218,37 @@ def test_hca_one_row_urgent_branches(fp8_weights, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
+def test_hca_one_row_q_norm_in_attention(fp8_weights, monkeypatch):
+    """An HCA decode step of one row hands the attention its raw queries (`Q_NORM_IN_ATTENTION`): no
+    `queries` call (no norm kernel) in the decode steps, eager equal to replayed, and against the
+    reference path at least as close as the norm kernel's path (the kernel rotates the raw bf16 row
+    and scales its scores by 1 / rms: one rounding of q fewer)."""
+    from dsv4.attention import decode_path
+    cfg = real_dims_config()
+    layer = 2
+    w, xs, sched = _case(cfg, layer, {"a": 250}, 8, seed=5)          # decode rows 250 .. 257
+    kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
+    calls = []
+    queries = AttentionSubBlock.queries
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return queries(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionSubBlock, "queries", counted)
+    folded = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
+    assert len(calls) == 2, "only the two prefill forwards normalise q with the norm kernel"
+    monkeypatch.setattr(decode_path, "Q_NORM_IN_ATTENTION", ())
+    kernel_norm = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), **kw)
+    assert len(calls) == 2 + 1 + 8
+    assert torch.equal(folded[0]["a"], folded[1]["a"])
+    ref = _run(cfg, layer, w, xs, sched, "reference", ("fp8_ds", "mxfp4"), **kw)
+    err, err_kernel = _rel_l2(folded[0]["a"], ref["a"]), _rel_l2(kernel_norm["a"], ref["a"])
+    assert err <= 1.25 * err_kernel + 1e-4, (err, err_kernel)
+    assert 0 < _rel_l2(folded[0]["a"], kernel_norm["a"]) <= 1e-2
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
 def test_engine_cuda_graphs_generate_the_same_tokens(fp8_weights):
     """The engine's decode graphs (captured per batch size) give the eager engine's tokens, with dense
     or FP8 block projection weights."""

@@ -613,6 +613,56 @@ def test_attention_inverse_rope_bf16(knobs):
     assert max_rel(out.float()[..., -64:], plain[..., -64:]) > 0.1
 
 
+@pytest.mark.parametrize("layer,kv_format,knobs", [
+    (HCA, "fp8_ds", {"num_splits": 1}), (HCA, "fp8_ds", {"num_splits": 3}), (CSA, "fp8_ds", {"num_splits": 2}),
+    (SWA, "bf16", {"num_splits": 1}), (HCA, "fp32", {"num_splits": 2}), (HCA, "fp8_ds", {"scheme": "halves"}),
+    (CSA, "fp8_ds", {"scheme": "two_pass"})],
+    ids=["hca-fused", "hca-splits", "csa-splits", "swa-bf16", "hca-fp32", "hca-halves", "csa-two-pass"])
+def test_attention_q_norm(layer, kv_format, knobs):
+    """q_norm: the raw up-projection in. The fused kernel (one or several splits) rotates it where it
+    loads it and scales the scores by the norm's 1 / rms: against the fp32 reference, at least as
+    close as the norm kernel then the attention (its bf16 operand is rounded once, not twice); the
+    other schemes run the norm kernel first, so equal it. Raw rows of different scales (the norm
+    must act), ragged positions, rotation angles of every quadrant."""
+    from dsv4.kernels.reference.norm_rope import norm_rope as ref_norm_rope
+    from dsv4.kernels.triton.norm_rope import norm_rope as tri_norm_rope
+    args = list(attention_args("real", kv_format, layer, 8, REAL_LENS, topk=160))
+    g = torch.Generator().manual_seed(layer * 10 + len(knobs))
+    raw = args[0] * (torch.rand(len(REAL_LENS), 8, 1, generator=g) * 20 + 0.1).to(DEVICE)
+    ang = torch.rand(len(REAL_LENS), 32, generator=g).to(DEVICE) * 6.3
+    rope, eps = (ang.cos(), ang.sin()), 1e-6
+    bf16_q = kv_format != "fp32"
+    if bf16_q:
+        raw = raw.bfloat16()
+    normed = tri_norm_rope(raw, None, eps, *rope, out_dtype=torch.bfloat16 if bf16_q else torch.float32)
+    out = tri.decode_attention(raw, *args[1:], rope=rope, q_norm=eps, **knobs)
+    two_kernels = tri.decode_attention(normed, *args[1:], rope=rope, **knobs)
+    want = ref.decode_attention(raw.float(), *args[1:], rope=rope, q_norm=eps)
+    tol = TOL["ieee" if kv_format == "fp32" else "bf16"]
+    close(out, want, tol)
+    if "scheme" not in knobs:       # the fused kernel
+        assert max_rel(out, want) <= max(1.25 * max_rel(two_kernels, want), TOL["ieee"])
+    else:
+        assert torch.equal(out, two_kernels)
+    # the norm and the rotation both matter here
+    assert max_rel(ref.decode_attention(raw.float(), *args[1:], rope=rope), want) > 0.1
+    unrotated = ref_norm_rope(raw.float(), None, eps, torch.ones_like(ang), torch.zeros_like(ang))
+    assert max_rel(ref.decode_attention(unrotated, *args[1:], rope=rope), want) > 0.1
+    with pytest.raises(InputError, match="q_norm"):
+        tri.decode_attention(raw, *args[1:], q_norm=eps)
+
+
+def test_q_norm_in_attention_reach():
+    """The decode path hands one HCA row's raw queries to the attention only below the entry count from
+    which another scheme than the fused kernel (whose q load normalises them) runs."""
+    from dsv4.attention import decode_path
+    n = decode_path.Q_NORM_IN_ATTENTION_MAX_ENTRIES
+    assert n == LONG_KEYS
+    rows = decode_path.Q_NORM_IN_ATTENTION_ROWS
+    assert att._scheme(rows, 64, 8, 1, True, True, n - 1) == "fused"
+    assert att._scheme(rows, 64, 8, 1, True, True, n) != "fused"
+
+
 @pytest.mark.parametrize("splits", [2, 37])
 def test_combine_normalised_fp16_partials(splits):
     """The split combine of the wide scheme's partials (fp16 acc_s / l_s, weighted by l_s) equals the

@@ -11,7 +11,8 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
            `linear_pair`)
     main   q_a norm (CSA at one row: inside the GEMV) -> q_b GEMM (+ the indexer's, one GEMM) ->
            [cos/sin ready] CSA indexer queries -> [indexer keys written] CSA indexer scores +
-           top-k; HCA: q norm/RoPE (FP8 layers from Q_AFTER_JOIN_ROWS rows: after the join).
+           top-k; HCA: q norm/RoPE (FP8 layers from Q_AFTER_JOIN_ROWS rows: after the join; at
+           one row inside the attention, Q_NORM_IN_ATTENTION).
            CSA at SPLIT_QUERY_UP rows: the indexer's q GEMM alone, then its queries and scan.
     up     (CSA at those rows) forked after the indexer's q GEMM: the q_b GEMM -> q norm/RoPE
     table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
@@ -153,8 +154,13 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     if table_ready is not None:
         main.wait_event(table_ready)
     q_after_join = b.num_requests >= Q_AFTER_JOIN_ROWS and "q_a" not in blk.dense_inputs()   # FP8 weights
+    # the attention normalises and rotates q itself: no norm kernel between the q_b GEMM and it
+    q_in_attention = (sch.attn_type in Q_NORM_IN_ATTENTION and rows <= Q_NORM_IN_ATTENTION_ROWS
+                      and b.seq_len_bound // max(sch.compress_ratio, 1) < Q_NORM_IN_ATTENTION_MAX_ENTRIES)
     if csa:
         qi = comp.indexer.queries(q_up["iq"], cos, sin, sch.indexer_format, ops)
+    elif q_in_attention:
+        q = blk.query_heads(q_up)
     elif not q_after_join:
         q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     indices = num_entries = None
@@ -176,12 +182,13 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
         main.wait_stream(table)
     if up_branch is not None:
         main.wait_stream(up_branch)
-    if not csa and q_after_join:
+    if not csa and q_after_join and not q_in_attention:
         q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     o = ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, blk.cfg.sliding_window,
                              pool.kv if pool is not None else None, b.block_table, sch.entries_per_block,
                              indices, num_entries, max_entries, blk.sinks, blk.cfg.head_dim ** -0.5,
-                             rope=(cos, sin), out_dtype=out_dtype)
+                             rope=(cos, sin), out_dtype=out_dtype,
+                             q_norm=blk.cfg.rms_norm_eps if q_in_attention else None)
     if prefetching:
         main.wait_stream(side_stream(dev, 2))   # the prefetch branch: its kernel only asks for bytes
     return o
@@ -244,6 +251,19 @@ SPLIT_QUERY_UP = (2, 32)
 #: side branch (rotary table, compressor, entry write, window) needs before the attention; with
 #: that branch urgent (`URGENT_BRANCHES`) it pays (NOTES.md #197).
 QA_NORM_IN_GEMM = (AttentionType.CSA, AttentionType.HCA)
+
+#: layer types whose decode attention normalises and rotates q itself (`decode_attention(q_norm=)`: the
+#: fused kernel where it loads q, so no norm kernel sits between the q_b GEMM and the attention), up to
+#: Q_NORM_IN_ATTENTION_ROWS rows and below Q_NORM_IN_ATTENTION_MAX_ENTRIES entries a request (from
+#: there, `decode_attention.LONG_KEYS`, another scheme runs, and the op's norm kernel would run after
+#: the branches' join instead of beside them). H100, HCA B = 1, BF16 / FP8 weights, µs, two rounds
+#: (benchmarks/NOTES.md #200): 128K 99.2 / 64.8, 99.6 / 64.9 -> 98.2 / 64.3, 98.2 / 64.7; 8K 97.9 /
+#: 62.3, 97.8 / 62.3 -> 96.4 / 61.9, 96.6 / 61.8; 1M (the wide scheme: the norm after the join) 111.6 /
+#: 77.2 -> 111.8 / 78.5. Two and three rows gain nothing (128K within 0.7) or lose (8K B = 2 BF16
+#: 110.8-110.9 -> 113.3-113.5)
+Q_NORM_IN_ATTENTION = (AttentionType.HCA,)
+Q_NORM_IN_ATTENTION_ROWS = 1
+Q_NORM_IN_ATTENTION_MAX_ENTRIES = 4096
 
 #: layer types whose decode side branches (compressor chain and window; rotary table) run on urgent
 #: streams (`side_stream(urgent=True)`): their few small blocks go ahead of the q_b GEMV's. H100, 128K

@@ -234,9 +234,12 @@ class AttentionSubBlock(nn.Module):
     def queries(self, q_up: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """q = RoPE_t(RMSNorm_1((q_res W_qb).view(H, D))) [T, H, D] (fp32 unless asked)."""
+        return ops.norm_rope(self.query_heads(q_up), None, self.cfg.rms_norm_eps, cos, sin, out_dtype=out_dtype)
+
+    def query_heads(self, q_up: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(q_res W_qb).view(T, H, D): the queries before their norm and RoPE (`queries`)."""
         q = q_up["q"]
-        q = q.view(q.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
-        return ops.norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin, out_dtype=out_dtype)
+        return q.view(q.shape[0], self.cfg.num_attention_heads, self.cfg.head_dim)
 
     def window_kv(self, proj: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
         """kv = RoPE_t(RMSNorm_w(x W_kv)) [T, D], what the window ring stores."""

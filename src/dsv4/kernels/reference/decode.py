@@ -145,7 +145,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      kv_views: Views | None, block_table: torch.Tensor | None, epb: int,
                      indices: torch.Tensor | None, num_entries: torch.Tensor | None, max_entries: int,
                      sinks: torch.Tensor, scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -156,9 +156,15 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         rope: (cos, sin) [B, r/2] of the tokens' positions: the output is then RoPE_{-t}(o), the
             layer's inverse rotation (`norm_rope(..., normalize=False, inverse=True)`).
         out_dtype: the output's dtype (default fp32).
+        q_norm: q is the raw up-projection; the attention takes RoPE_t(RMSNorm_1(q)) with eps q_norm
+            and rope's cos / sin (the layer's `queries`), so a kernel may normalise q where it loads it.
     Returns:
         [B, H, D].
     """
+    if q_norm is not None:
+        if rope is None:
+            raise InputError("q_norm rotates q: it needs rope=(cos, sin) of the tokens' positions")
+        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.float32)
     q = q.float()
     slots = request_slots.long()
     t = positions.long()[:, None]

@@ -60,7 +60,7 @@ from dsv4.kernels.triton.decode_common import (
     sm_count,
     split_operand,
 )
-from dsv4.kernels.triton.norm_rope import norm_rope
+from dsv4.kernels.triton.norm_rope import norm_rope, rotated_rows_rms
 
 _MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": FP8_DS_ID.value}
 #: default minimum keys per split of the key range (split-K only while each split keeps this many);
@@ -83,6 +83,12 @@ def _load_kv(kv_ptr, rope_ptr, sc_ptr, page, row, valid, s_kp, s_kr, s_rp, s_rr,
 @triton.jit
 def _attend(q_hi, q_lo, k, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, NATIVE: tl.constexpr):
     """One key tile of the online softmax (log2 domain). V = K: the same tile feeds both dots."""
+    # Where the membar pass puts the key tile's barrier after the q operand's shared-memory loads (it
+    # did once q was normalised in the prologue, QNORM), ptxas hoists all 64 of them above it and
+    # holds 128 registers of q through the tile: sm_90, 128 -> 208 registers, one program an SM
+    # instead of two. With this barrier first the default tiles compile to the same SASS as without
+    # (16 x 16 keys x 8 warps: 215 -> 103 registers; benchmarks/compile_report.py qnorm / attention)
+    tl.debug_barrier()
     s = dot_prec(q_hi, q_lo, tl.trans(k), PREC, NATIVE) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -134,12 +140,13 @@ def _decode_attn_kernel(
         s_qb, s_qh, s_ob, s_os, s_oh,
         s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-        ring, window, epb, max_blocks, n_comp, qk_scale,
+        ring, window, epb, max_blocks, n_comp, qk_scale, cos_ptr, sin_ptr, q_eps,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUSED: tl.constexpr, PDL: tl.constexpr):
+        FUSED: tl.constexpr, QNORM: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
-    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]."""
+    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]. QNORM: q is the
+    raw up-projection, normalised (q_eps) and rotated (cos / sin [B, HALF_R]) here first."""
     pdl_enter(PDL)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -147,7 +154,14 @@ def _decode_attn_kernel(
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     d = tl.arange(0, NCH * 64)[None, :]
-    q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d, mask=hmask[:, None] & (d < D), other=0.0)
+    q_rows = q_ptr + b * s_qb + h[:, None] * s_qh + d
+    if QNORM:   # every split of the head block redoes it: 512 channels a head, cheaper than a launch
+        # q . k = inv (RoPE(raw) . k): the rows' 1 / rms scales their scores (V = K: q is not a value)
+        q, inv = rotated_rows_rms(q_rows, hmask[:, None] & (d < D), d, cos_ptr + b * HALF_R, sin_ptr + b * HALF_R,
+                                  q_eps, D, HALF_R, NCH * 32)
+        qk_scale = qk_scale * inv[:, None]
+    else:
+        q = tl.load(q_rows, mask=hmask[:, None] & (d < D), other=0.0)
     q_hi, q_lo = split_operand(q, PREC)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -199,7 +213,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
                      score_splits: int | None = None, value_block_n: int | None = None,
                      value_block_d: int | None = None, value_warps: int | None = None,
                      value_splits: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
     """Attention of one query token per request over its window ring and compressed entries.
 
     Keys: the ring rows with t - W < pos <= t (this step's token already written), then either
@@ -224,6 +238,12 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         rope: (cos, sin) [B, r/2]: return RoPE_{-t}(o) (applied by the split combine or the two-pass
         scheme's pass 2; by `norm_rope` after a one-split fused kernel); out_dtype: the output's
         dtype (default fp32).
+        q_norm: q is then the raw up-projection: the attention takes RoPE_t(RMSNorm_1(q)) (eps q_norm,
+        rope's cos / sin), rounded to bf16 for bf16 operands (`norm_rope(..., out_dtype=)`'s rounding).
+        The fused kernel rotates its heads where it loads them and scales their scores by the norm's
+        1 / rms (RoPE and q . k are linear in q; no kernel before it): its bf16 operand is the rotated
+        raw row, whose unrotated channels a bf16 q holds exactly, not the rounded normalised row. The
+        other schemes run `norm_rope` first.
     Returns:
         [B, H, D] out_dtype.
     """
@@ -238,6 +258,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     if dim != kv_fmt.dim or sinks.shape != (heads,):
         raise InputError(f"q must be [B, H, {kv_fmt.dim}] and sinks [H]; got {list(q.shape)}, {list(sinks.shape)}")
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
+    if q_norm is not None and rope is None:
+        raise InputError("q_norm rotates q: it needs rope=(cos, sin) of the tokens' positions")
     if bsz == 0:
         return torch.empty(bsz, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
     cuda = q.device.type == "cuda"
@@ -265,6 +287,8 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
             scheme = "wide"     # measured faster wherever halves is the default (`_scheme`)
     if scheme not in SCHEMES:
         raise InputError(f"scheme={scheme!r} is not one of {SCHEMES}")
+    if q_norm is not None and scheme != "fused":
+        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.bfloat16 if prec == 1 else torch.float32)
     meta = (swa_pos, request_slots, positions, bt, idx, nent)
     strides = (*rows(wkv), *rows(wrope), *rows(wsc), swa_pos.stride(0),
                *rows(ckv), *rows(crope), *rows(csc), bt.stride(0), idx.stride(0))
@@ -324,13 +348,16 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         part = torch.empty(bsz, n_split, heads, nch * 64, dtype=torch.float32, device=q.device)
         pml = torch.empty(bsz, n_split, heads, 2, dtype=torch.float32, device=q.device)
         s_split = part.stride(1)
+    # (cos, sin, eps) of the in-kernel q norm (unused otherwise)
+    qn = (rope[0].float().contiguous(), rope[1].float().contiguous(), q_norm) if q_norm is not None else (q, q, 0.0)
     k = _decode_attn_kernel[(n_hb, bsz, n_split)](
         q, sinks, part, pml, wkv, wrope, wsc, swa_pos, request_slots, positions,
         ckv, crope, csc, bt, idx, nent,
         q.stride(0), q.stride(1), part.stride(0), s_split, part.stride(-2), *strides,
-        ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E,
+        ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E, *qn,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
+        QNORM=q_norm is not None, HALF_R=rope[0].shape[-1] if q_norm is not None else 0,
         num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}), **pdl_launch(q.device))
     note_compile("decode_attention", k)
     if n_split == 1:

@@ -22,6 +22,34 @@ from dsv4.kernels.triton.hadamard import fwht_constants, fwht_rows
 
 
 @triton.jit
+def rotated_rows_rms(ptrs, mask, d, cos_row, sin_row, eps, D: tl.constexpr, HALF_R: tl.constexpr,
+                     BLOCK_P: tl.constexpr):
+    """Rows [R, 2 BLOCK_P] of one token at ptrs (channel d [1, 2 BLOCK_P] along axis 1; 0 where masked)
+    -> (RoPE_t(row) in fp32, 1 / sqrt(mean(row^2) + eps) [R]): `_norm_rope_kernel`'s RMSNorm (no
+    weight) and rotation with the norm's factor left apart, for a kernel that applies it to what it
+    computes from the rows (RoPE_t(RMSNorm_1(x)) = inv RoPE_t(x)).
+
+    Every load here is contiguous along the channels, so the tile keeps a row-major layout: pairs
+    split in registers, a partner gathered at d ^ 1 or cos / sin gathered per channel gave it a
+    column-major one, which the shared-memory copy of an attention kernel's q operand inherited
+    (sm_90: 128 -> 208 registers). Partners come from loads one channel either side (L1 hits), the
+    per-pair cos / sin are loaded once per pair and interleaved."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    if HALF_R > 0:
+        nxt = tl.load(ptrs + 1, mask=mask & (d + 1 < D), other=0.0).to(tl.float32)
+        prv = tl.load(ptrs - 1, mask=mask & (d > 0), other=0.0).to(tl.float32)
+        j = tl.arange(0, BLOCK_P) - (D // 2 - HALF_R)  # rotated pair of pair p
+        rot = (j >= 0) & (j < HALF_R)
+        c = tl.load(cos_row + j, mask=rot, other=1.0)
+        s = tl.load(sin_row + j, mask=rot, other=0.0)
+        c = tl.reshape(tl.join(c, c), (1, 2 * BLOCK_P))
+        s = tl.reshape(tl.join(-s, s), (1, 2 * BLOCK_P))
+        x = x * c + tl.where(d % 2 == 0, nxt, prv) * s  # even: x c - x' s; odd: x c + x' s
+    return x, inv
+
+
+@triton.jit
 def _norm_rope_kernel(x_ptr, x_s0, x_s1, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, eps,
                       D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       NORMALIZE: tl.constexpr, WEIGHTED: tl.constexpr, INVERSE: tl.constexpr, HAD: tl.constexpr,
