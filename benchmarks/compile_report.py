@@ -1,7 +1,8 @@
 """Registers, spills and tensor-core instructions of the decode kernels' variants, without a GPU.
 
     python benchmarks/compile_report.py            # V4-Flash shapes, sm_90, the variants below
-    SASS_DIR=dir [PTX=1] python benchmarks/compile_report.py wide   # each kernel's SASS (and PTX) in dir
+    SASS_DIR=dir [PTX=1] [TTGIR=1] python benchmarks/compile_report.py wide   # SASS (PTX, Triton's layouts) in dir
+    python benchmarks/compile_report.py qnorm      # the fused attention's B = 1 tile with / without q_norm
 
 Triton compiles for sm_90 on any machine (its wheel carries ptxas and cuobjdump): each op wrapper
 is called on CPU tensors of a small V4-shaped cache with its kernel launch intercepted, the

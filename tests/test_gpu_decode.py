@@ -65,6 +65,19 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weig
     return {r: torch.cat(v) for r, v in outs.items()}
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Patch the method owner.name to count its calls: the list it appends one to per call."""
+    calls: list[int] = []
+    orig = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def _case(cfg, layer, lens, decode_steps, seed=0):
     torch.manual_seed(seed)
     w = hf_oracle.random_attention_weights(cfg, layer, seed=seed)
@@ -198,14 +211,7 @@ def test_hca_one_row_urgent_branches(fp8_weights, monkeypatch):
     assert side_stream(torch.device("cpu"), urgent=True) is None
     w, xs, sched = _case(cfg, layer, {"a": 250}, 8, seed=3)          # decode rows 250 .. 257: one at a time
     kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
-    normed = []
-    up = AttentionSubBlock.query_up_normed
-
-    def counted(self, *args, **kwargs):
-        normed.append(1)
-        return up(self, *args, **kwargs)
-
-    monkeypatch.setattr(AttentionSubBlock, "query_up_normed", counted)
+    normed = _count_calls(monkeypatch, AttentionSubBlock, "query_up_normed")
     default = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
     assert len(normed) >= 8, "one-row HCA steps take the in-GEMV q_a norm"
     monkeypatch.setattr(decode_path, "URGENT_BRANCHES", ())
@@ -228,14 +234,7 @@ def test_hca_one_row_q_norm_in_attention(fp8_weights, monkeypatch):
     layer = 2
     w, xs, sched = _case(cfg, layer, {"a": 250}, 8, seed=5)          # decode rows 250 .. 257
     kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
-    calls = []
-    queries = AttentionSubBlock.queries
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return queries(self, *args, **kwargs)
-
-    monkeypatch.setattr(AttentionSubBlock, "queries", counted)
+    calls = _count_calls(monkeypatch, AttentionSubBlock, "queries")
     folded = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
     assert len(calls) == 2, "only the two prefill forwards normalise q with the norm kernel"
     monkeypatch.setattr(decode_path, "Q_NORM_IN_ATTENTION", ())
