@@ -663,6 +663,24 @@ def test_q_norm_in_attention_reach():
     assert att._scheme(rows, 64, 8, 1, True, True, n) != "fused"
 
 
+def test_fused_split_rule():
+    """The fused kernel's default key splits (V4 shapes, 64 heads in 4 head blocks, 132 SMs): a 32-key
+    tile a split while that stays within the combine's unrolled splits, else 64 keys a split; never
+    more than two programs an SM; split_keys overrides."""
+    from dsv4.kernels.triton.decode_combine import UNROLL_SPLITS
+    sms, window = 132, 128
+    assert att.fused_splits(window + 512, 4, sms) == 20                 # CSA: the window and a 512 top-k
+    assert att.fused_splits(window + 8192 // 128, 4, sms) == 6          # HCA at 8K
+    assert att.fused_splits(window + 131072 // 128, 4, sms) == 18       # HCA at 128K: 36 tiles > 32 splits
+    assert att.fused_splits(window + 512, 2 * 4, sms) == 20
+    assert att.fused_splits(window + 512, 16 * 4, sms) == 5             # two programs an SM
+    assert att.fused_splits(window + 512, 4, sms, split_keys=128) == 5
+    assert att.fused_splits(16, 4, sms) == 1
+    for keys in range(32, 4096, 32):
+        n = att.fused_splits(keys, 4, sms)
+        assert n <= UNROLL_SPLITS or keys > 32 * UNROLL_SPLITS
+
+
 @pytest.mark.parametrize("splits", [2, 37])
 def test_combine_normalised_fp16_partials(splits):
     """The split combine of the wide scheme's partials (fp16 acc_s / l_s, weighted by l_s) equals the

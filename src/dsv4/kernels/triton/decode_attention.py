@@ -38,7 +38,7 @@ from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError, InputError
 from dsv4.kernels.triton import decode_attention_2p as tp
 from dsv4.kernels.triton import decode_attention_halves as dh
-from dsv4.kernels.triton.decode_combine import combine
+from dsv4.kernels.triton.decode_combine import UNROLL_SPLITS, combine
 
 try:        # the wide scheme is written in Gluon, which a Triton before 3.4 lacks: the other schemes then
     from dsv4.kernels.triton import decode_attention_wide as dw
@@ -64,8 +64,15 @@ from dsv4.kernels.triton.norm_rope import norm_rope, rotated_rows_rms
 
 _MAIN_FMT = {"fp32": 0, "bf16": 1, "fp8_ds": FP8_DS_ID.value}
 #: default minimum keys per split of the key range (split-K only while each split keeps this many);
-#: 64 measured best at B = 1 (H200, V4 shapes: 27 µs vs 55 µs at 256), no change at B = 64
+#: 64 measured best at B = 1 (H200, V4 shapes: 27 µs vs 55 µs at 256), no change at B = 64 ...
 SPLIT_KEYS = 64
+#: ... but one 32-key tile a split where that leaves at most the combine's unrolled count of splits
+#: (H100, `benchmarks/ab_run.sh`, two rounds, layer BF16 / FP8 weights, µs: CSA 128K B = 1 (640 keys,
+#: 10 -> 20 splits) 125.1 / 90.1 -> 124.3 / 88.1; HCA 8K B = 2 110.4 / 79.5 -> 108.4 / 76.6; HCA 8K B = 1
+#: 95.1 / 61.0 -> 94.3 / 60.6; CSA 8K B = 1 122.2 / 86.1 -> 123.1 / 84.4). HCA at 128K (36 tiles) keeps
+#: 18 splits: 36 took the layer from 97.3 / 63.2 to 98.8 / 65.4 even with the combine unrolled, 24 to
+#: 98.4 / 64.5 (some splits still two tiles long)
+SHORT_SPLIT_KEYS = 32
 #: default software-pipelining depth on CUDA: 1 (no pipelining) measured fastest at every tested
 #: (B, layer) on an H200 with Triton 3.6, e.g. B = 64 HCA 337 µs vs 458 µs at the default 3
 NUM_STAGES = 1
@@ -143,9 +150,11 @@ def _decode_attn_kernel(
         ring, window, epb, max_blocks, n_comp, qk_scale, cos_ptr, sin_ptr, q_eps,
         H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NCH: tl.constexpr,
         FMT: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr, NATIVE: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUSED: tl.constexpr, QNORM: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
+        FUSED: tl.constexpr, NORM_PART: tl.constexpr, QNORM: tl.constexpr, HALF_R: tl.constexpr,
+        PDL: tl.constexpr):
     """MODE 0 SWA, 1 CSA (indices), 2 HCA (first num_entries). Output: FUSED -> out [B, H, D];
-    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]. QNORM: q is the
+    else partial acc into out [B, S, H, NCH*64] and (m, l) into pml [B, S, H, 2]; NORM_PART (fp16 out):
+    the partial is acc / l, as `decode_combine` weighs it. QNORM: q is the
     raw up-projection, normalised (q_eps) and rotated (cos / sin [B, HALF_R]) here first."""
     pdl_enter(PDL)
     b = tl.program_id(1)
@@ -195,7 +204,11 @@ def _decode_attn_kernel(
         out = with_sink(acc, m_i, l_i, sinks_ptr, h, hmask)
         tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + d, out, mask=hmask[:, None] & (d < D))
     else:
-        tl.store(out_ptr + b * s_ob + split * s_os + h[:, None] * s_oh + d, acc, mask=hmask[:, None])
+        part = out_ptr + b * s_ob + split * s_os + h[:, None] * s_oh + d
+        if NORM_PART:   # acc / l as fp16 (0 where the split saw no key): half the partial bytes
+            tl.store(part, (acc * tl.where(l_i > 0.0, 1.0 / l_i, 0.0)[:, None]).to(tl.float16), mask=hmask[:, None])
+        else:
+            tl.store(part, acc, mask=hmask[:, None])
         ml = pml_ptr + ((b * n_split + split) * H + h) * 2
         tl.store(ml, m_i, mask=hmask)
         tl.store(ml + 1, l_i, mask=hmask)
@@ -337,15 +350,17 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
     bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
     n_hb = triton.cdiv(heads, bh)
     tiles = triton.cdiv(ring, bn) + triton.cdiv(n_comp, bn)
-    if num_splits is None:  # fill the GPU at small batch; >= split_keys keys per split keeps partials cheap
-        num_splits = max(1, min(triton.cdiv(2 * sm_count(q.device), bsz * n_hb),
-                                triton.cdiv(tiles * bn, split_keys or SPLIT_KEYS))) if cuda else 1
+    if num_splits is None:
+        num_splits = fused_splits(tiles * bn, bsz * n_hb, sm_count(q.device), split_keys) if cuda else 1
     n_split = max(1, min(num_splits, tiles))
 
     if n_split == 1:
         part, pml, s_split = out, out, 0
     else:
-        part = torch.empty(bsz, n_split, heads, nch * 64, dtype=torch.float32, device=q.device)
+        # fp8_ds values are fp16-exact (scales up to 2^7, `key_operand`), so their convex combination
+        # acc / l is held by fp16: half the partial bytes written here and read by the combine
+        pdt = torch.float16 if kv_fmt.name == "fp8_ds" else torch.float32
+        part = torch.empty(bsz, n_split, heads, nch * 64, dtype=pdt, device=q.device)
         pml = torch.empty(bsz, n_split, heads, 2, dtype=torch.float32, device=q.device)
         s_split = part.stride(1)
     # (cos, sin, eps) of the in-kernel q norm (unused otherwise)
@@ -357,12 +372,22 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         ring, window, epb, bt.shape[-1], n_comp, scale * LOG2E, *qn,
         H=heads, BLOCK_H=bh, D=dim, NOPE=kv_fmt.dim - kv_fmt.rope_dim, NCH=nch,
         FMT=_MAIN_FMT[kv_fmt.name], MODE=mode, PREC=prec, NATIVE=cuda, BLOCK_N=bn, FUSED=n_split == 1,
+        NORM_PART=part.dtype == torch.float16,
         QNORM=q_norm is not None, HALF_R=rope[0].shape[-1] if q_norm is not None else 0,
         num_warps=warps, **({"num_stages": num_stages or NUM_STAGES} if cuda else {}), **pdl_launch(q.device))
     note_compile("decode_attention", k)
     if n_split == 1:
         return _finish(out, rope, out_dtype)
     return combine(part, pml, sinks, rope, out_dtype, dim, nch, cuda)
+
+
+def fused_splits(keys: int, programs: int, sms: int, split_keys: int | None = None) -> int:
+    """Default key splits of the fused kernel over `keys` (tiles padded) for `programs` (request, head
+    block) pairs on `sms` SMs: fill two programs an SM at small batch, each split keeping split_keys
+    keys (default: SHORT_SPLIT_KEYS where that stays within the combine's unrolled splits, else
+    SPLIT_KEYS), so that the partials stay cheap."""
+    per = split_keys or (SHORT_SPLIT_KEYS if triton.cdiv(keys, SHORT_SPLIT_KEYS) <= UNROLL_SPLITS else SPLIT_KEYS)
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(keys, per)))
 
 
 def _finish(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

@@ -66,8 +66,10 @@ def _combine_kernel(part_ptr, pml_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, s_p
 
 
 
-#: splits whose loads one combine trip issues together, past 32 splits (`_combine_kernel`)
+#: splits whose loads one combine trip issues together, past UNROLL_SPLITS splits (`_combine_kernel`)
 COMBINE_TRIP = 8
+#: up to this many splits the combine issues every split's loads at once (a static loop)
+UNROLL_SPLITS = 32
 
 
 def combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
@@ -92,6 +94,6 @@ def combine(part: torch.Tensor, pml: torch.Tensor, sinks: torch.Tensor,
         part, pml, sinks, cos, sin, out,
         part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
         H=heads, S=n_split, S_PAD=triton.next_power_of_2(n_split), BLOCK_H=bhc, D=dim, BLOCK_D=bdc,
-        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= 32,
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, UNROLL=n_split <= UNROLL_SPLITS,
         TRIP=trip or COMBINE_TRIP, NORMED=part.dtype == torch.float16, num_warps=4, **pdl_launch(part.device))
     return out
