@@ -681,19 +681,19 @@ def test_fused_split_rule():
         assert n <= UNROLL_SPLITS or keys > 32 * UNROLL_SPLITS
 
 
-def test_wide_tile_rule():
+def test_64_key_tile_rule():
     """The fused kernel's 64-key tiles (V4 shapes, 4 head blocks a request, 132 SMs): where a request
     has 512 keys or more and one such tile a split stays one wave of one program an SM."""
     sms, window = 132, 128
-    assert att._wide_tile_keys(window, 512, 4, sms) == 64              # CSA, B = 1: 40 programs
-    assert att._wide_tile_keys(window, 512, 3 * 4, sms) == 64          # B = 3: 120
-    assert att._wide_tile_keys(window, 512, 4 * 4, sms) == 32          # B = 4: 160, two waves
-    assert att._wide_tile_keys(window, 1024, 4, sms) == 64             # HCA 128K, B = 1: 72
-    assert att._wide_tile_keys(window, 1024, 2 * 4, sms) == 32         # B = 2: 144
-    assert att._wide_tile_keys(window, 64, 4, sms) == 32               # HCA 8K: 192 keys
-    assert att._wide_tile_keys(window, 384, 4, sms) == 64
-    assert att._wide_tile_keys(window, 383, 4, sms) == 64              # a partial tile counts
-    assert att._wide_tile_keys(window, 320, 4, sms) == 32
+    assert att._tile_keys(window, 512, 4, sms) == 64              # CSA, B = 1: 40 programs
+    assert att._tile_keys(window, 512, 3 * 4, sms) == 64          # B = 3: 120
+    assert att._tile_keys(window, 512, 4 * 4, sms) == 32          # B = 4: 160, two waves
+    assert att._tile_keys(window, 1024, 4, sms) == 64             # HCA 128K, B = 1: 72
+    assert att._tile_keys(window, 1024, 2 * 4, sms) == 32         # B = 2: 144
+    assert att._tile_keys(window, 64, 4, sms) == 32               # HCA 8K: 192 keys
+    assert att._tile_keys(window, 384, 4, sms) == 64
+    assert att._tile_keys(window, 383, 4, sms) == 64              # a partial tile counts
+    assert att._tile_keys(window, 320, 4, sms) == 32
 
 
 @pytest.mark.parametrize("splits", [2, 37])
@@ -732,7 +732,7 @@ def test_combine_normalised_fp16_partials(splits):
 @pytest.mark.parametrize("layer,lens", [(CSA, (3000, 300)), (HCA, (9000, 129))], ids=["csa", "hca"])
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16"])
 def test_attention_64_key_tile_splits(kv_format, layer, lens):
-    """The fused kernel over 64-key tiles (16 heads, 8 warps, as `_wide_tile_keys` picks on a GPU):
+    """The fused kernel over 64-key tiles (16 heads, 8 warps, as `_tile_keys` picks on a GPU):
     one split, three, and one a tile; a ragged batch whose short request leaves most splits empty."""
     args = attention_args("real", kv_format, layer, 16, lens, topk=512)
     want = ref.decode_attention(*args)
@@ -748,7 +748,7 @@ def test_attention_64_key_tile_splits(kv_format, layer, lens):
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16"])
 def test_attention_64_key_tiles(kv_format, layer, lens, keys, monkeypatch):
     """One or two requests of 64 heads with 512 keys or more: the fused kernel by default over 64-key
-    tiles, one a split (`_wide_tile_keys`), where those splits fit one wave (HCA's two requests at a
+    tiles, one a split (`_tile_keys`), where those splits fit one wave (HCA's two requests at a
     131,072-token bound, 1,024 entries, would be 144 programs: 32-key tiles), against the reference;
     with the q norm inside too; the 32-key tiles asked for agree."""
     picked = []
@@ -757,8 +757,8 @@ def test_attention_64_key_tiles(kv_format, layer, lens, keys, monkeypatch):
         picked.append(real(*a))
         return picked[-1]
 
-    real = att._wide_tile_keys
-    monkeypatch.setattr(att, "_wide_tile_keys", spy)
+    real = att._tile_keys
+    monkeypatch.setattr(att, "_tile_keys", spy)
     args = list(attention_args("real", kv_format, layer, 64, lens, topk=512))
     want = ref.decode_attention(*args)
     close(tri.decode_attention(*args), want, TOL["bf16"])

@@ -349,7 +349,7 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
         bn, warps = 16, 4   # enough programs to fill the GPU: two 4-warp programs per SM hide more latency
     elif (cuda and (bn, warps) == (32, 8)
           and all(k is None for k in (block_h, block_n, num_warps, num_splits, split_keys))):
-        bn = _wide_tile_keys(ring, n_comp, bsz * triton.cdiv(heads, bh), sm_count(q.device))
+        bn = _tile_keys(ring, n_comp, bsz * triton.cdiv(heads, bh), sm_count(q.device))
     bh, bn, warps = block_h or bh, block_n or bn, num_warps or warps
     n_hb = triton.cdiv(heads, bh)
     tiles = triton.cdiv(ring, bn) + triton.cdiv(n_comp, bn)
@@ -385,11 +385,11 @@ def decode_attention(q: torch.Tensor, swa: Views, kv_fmt: EntryFormat, swa_pos: 
 
 
 #: the fused kernel's 64-key tiles from this many keys a request (CSA's top-k alone) ...
-WIDE_TILE_MIN_KEYS = 512
+TILE64_MIN_KEYS = 512
 
 
-def _wide_tile_keys(ring: int, n_comp: int, programs: int, sms: int) -> int:
-    """Keys a tile of the fused kernel at 16 heads x 8 warps: 64 where a request has WIDE_TILE_MIN_KEYS
+def _tile_keys(ring: int, n_comp: int, programs: int, sms: int) -> int:
+    """Keys a tile of the fused kernel at 16 heads x 8 warps: 64 where a request has TILE64_MIN_KEYS
     keys or more and a split of one 64-key tile each still runs as one wave at one program an SM
     (178 registers and 144 KB of shared memory with the q norm inside, sm_90), else 32. One tile a
     split is the shortest chain of index loads, key bytes and dots a split can have.
@@ -400,7 +400,7 @@ def _wide_tile_keys(ring: int, n_comp: int, programs: int, sms: int) -> int:
     97.2 / 63.5 -> 96.4 / 62.4. Not taken: HCA 128K B = 2 (144 programs: two waves) 114.9 / 86.8 ->
     116.5 / 86.7; HCA 8K (192 keys) B = 2 108.3 / 76.2 -> 109.2 / 77.5, B = 1 even."""
     n64 = triton.cdiv(ring, 64) + triton.cdiv(n_comp, 64)
-    return 64 if n64 * 64 >= WIDE_TILE_MIN_KEYS and programs * n64 <= sms else 32
+    return 64 if n64 * 64 >= TILE64_MIN_KEYS and programs * n64 <= sms else 32
 
 
 def fused_splits(keys: int, programs: int, sms: int, split_keys: int | None = None) -> int:
