@@ -187,7 +187,7 @@ def main() -> int:
             report("scan_tma group maxima int8=False", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax, int8=False))
             for nreg in (128, 96):
                 report(f"scan_tma maxnreg={nreg}", ts, "_scan_tma_kernel", lambda nreg=nreg: tma(maxnreg=nreg))
-    if "attention" in which or "wide" in which:
+    if "attention" in which or "wide" in which or "prefill_wide" in which:
         for kind in ("csa", "hca"):
             li = LAYER_INDEX[kind]
             s2, stt, p2 = mgr.schemas[li], mgr.states[li], mgr.paged[li]
@@ -204,8 +204,25 @@ def main() -> int:
                 es.enter_context(_patched(dw, "supported", lambda *a: True))
                 es.enter_context(_patched(att, "sm_count", lambda dev: 132))
                 es.enter_context(captured(dcm, "_combine_kernel"))         # launched after it: intercepted too
-                report(f"attention wide {kind}", dw, "_wide_kernel",
-                       lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"))
+                if "prefill_wide" not in which or "wide" in which:
+                    report(f"attention wide {kind}", dw, "_wide_kernel",
+                           lambda aargs=aargs: att.decode_attention(*aargs, scheme="wide"))
+            if "prefill_wide" in which:     # the wide prefill kernel on 16 new tokens after 2,032 cached
+                from dsv4.kernels.triton import prefill_attention as pa
+                from dsv4.kernels.triton import prefill_attention_wide as pw
+                n = 16
+                pos = torch.arange(2032, 2032 + n, dtype=torch.int32)
+                pargs = (torch.randn(n, 64, 512).bfloat16(), torch.randn(1, 128, 512).bfloat16(),
+                         torch.arange(1904, 2032, dtype=torch.int32)[None], torch.randn(n, 512).bfloat16(), pos,
+                         torch.zeros(n, dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), 128, p2.kv,
+                         s2.kv_format, b.block_table[:1], s2.entries_per_block,
+                         torch.arange(512).repeat(n, 1) if kind == "csa" else None, s2.compress_ratio,
+                         2048 // s2.compress_ratio, torch.randn(64), 512 ** -0.5)
+                with contextlib.ExitStack() as es:
+                    es.enter_context(_patched(pw, "supported", lambda *a: True))
+                    es.enter_context(_patched(pw, "combine", lambda *a: None))
+                    report(f"prefill wide {kind}", pw, "_prefill_wide_kernel",
+                           lambda pargs=pargs: pa.prefill_attention(*pargs, scheme="wide"))
             if "attention" not in which:
                 continue
             for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),

@@ -102,8 +102,8 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
                 cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
                 indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
         want = prefill_attention(*args, scheme="fused")
-        for kw in ({}, dict(scheme="fused"), dict(scheme="halves", block_n=16),
-                   dict(scheme="fused", block_h=16, block_n=32, num_warps=8),
+        for kw in ({}, dict(scheme="fused"), dict(scheme="halves"), dict(scheme="wide"),
+                   dict(scheme="halves", block_n=16), dict(scheme="fused", block_h=16, block_n=32, num_warps=8),
                    dict(scheme="fused", block_h=16, block_n=64, num_warps=8, num_stages=2)):
             attempt("pattn", f"{kind} T={chunk}", " ".join(f"{k}={v}" for k, v in kw.items()) or "default",
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
@@ -113,7 +113,7 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
         finish = dict(rope=(torch.rand(chunk, 32, device=DEV), torch.rand(chunk, 32, device=DEV)),
                       out_dtype=torch.bfloat16)
         want = prefill_attention(*args, scheme="fused", **finish).float()
-        for kw in (dict(scheme="fused", **finish), dict(scheme="halves", **finish)):
+        for kw in (dict(scheme="fused", **finish), dict(scheme="halves", **finish), dict(scheme="wide", **finish)):
             attempt("pattn", f"{kind} T={chunk}", f"scheme={kw['scheme']} rope bf16-out",
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
                     lambda out, want=want: None if rel(out.float(), want) < 1e-2 else f"rel {rel(out.float(), want)}",

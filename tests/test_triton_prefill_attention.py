@@ -168,6 +168,12 @@ def test_prefill_attention_scheme_errors():
         prefill_attention(*args, scheme="two_pass")
     with pytest.raises(InputError, match="halves scheme takes bf16 operands"):
         prefill_attention(*args, scheme="halves")
+    with pytest.raises(InputError, match="wide scheme takes"):
+        prefill_attention(*args, scheme="wide")
+    if not wide_ok():       # bf16 operands, but no sm_90 GPU (or a small head count): refused, not run elsewhere
+        fp8 = prefill_args("tiny", "fp8_ds", CSA, 4, ((0, 3),))
+        with pytest.raises(InputError, match="wide scheme takes fp8_ds entries"):
+            prefill_attention(*fp8, scheme="wide")
     with pytest.raises(InputError, match="rope"):
         prefill_attention(*args, rope=(torch.ones(3, 32, device=DEVICE), torch.ones(2, 32, device=DEVICE)))
 
@@ -190,3 +196,30 @@ def test_prefill_attention_v4_flash_shapes(kv_format, layer):
     out = prefill_attention(*args, **fin)
     assert out.dtype == torch.bfloat16
     close(out.float(), want, tol("bf16"))
+
+
+def wide_ok() -> bool:
+    from dsv4.kernels.triton import prefill_attention as pa
+    return DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and pa.pw is not None and pa.pw.dw.GLUON_OK
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [SWA, CSA, HCA], ids=["swa", "csa", "hca"])
+def test_prefill_attention_wide(layer):
+    """The wide scheme (Gluon: the decode wide kernel's warp-specialised program for each token, its
+    window's bf16 rows as its first tiles) against the reference at 64 heads, D 512, top-512: requests
+    whose queries cross 127/128/129 and 255/256/257, chunks that start mid-ring, a long first chunk,
+    chunks after 4K and 20K cached, a one-token step; fp32 queries, then the layer's form (bf16 q,
+    rotation, bf16 output)."""
+    if not wide_ok():
+        pytest.skip("the wide scheme needs an sm_90 GPU and Triton 3.6 or later")
+    steps = ((0, 300), (110, 20), (250, 8), (4000, 700), (20000, 129), (127, 1))
+    args = list(prefill_args("real", "fp8_ds", layer, 64, steps, topk=512))
+    want = ref_prefill_attention(*args)
+    close(prefill_attention(*args, scheme="wide"), want, TOL["fp16"])
+    args[0] = args[0].to(torch.bfloat16)
+    fin = finish_args(args[0].shape[0], 7 + layer)
+    want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32)
+    out = prefill_attention(*args, scheme="wide", **fin)
+    assert out.dtype == torch.bfloat16
+    close(out.float(), want, TOL["bf16"])

@@ -189,7 +189,9 @@ def _tile_rows(tile, blk, row, ok, slot, n_wt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp
 def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
             s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
             ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
-            n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
+            n_comp, MODE: gl.constexpr, NOPE: gl.constexpr, IT0: gl.constexpr = 0):
+    # IT0: tiles the buffers took before this loop (the prefill kernel's window tiles), so the
+    # buffer and phase of each tile continue theirs.
     # A tile's first four chunks reach shared memory by cp.async a tile ahead; its other chunks,
     # rope and key mask are loaded into registers at the top of its iteration and used after the
     # staged chunks are dequantised. The tile's proxy fence (before the MMAs read it) waits for every
@@ -215,7 +217,7 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
                           MODE, KL)
     for it in range(0, mine):
         tile = split + it * n_split
-        buf = it % 2
+        buf = (it + IT0) % 2
         # this tile's register chunks and rope, and the next tile's scale words, in flight ...
         p4, m4 = _chunk_ptrs(ckv_ptr, kv, ok, 4, NOPE)
         p5, m5 = _chunk_ptrs(ckv_ptr, kv, ok, 5, NOPE)
@@ -231,7 +233,7 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
         sw_n = gl.load((csc_ptr + sc_n).to(gl.pointer_type(gl.uint64)), mask=ok_n, other=0)
         # ... under the staged chunks' dequantisation, once both MMA warpgroups are done with tile it - 2
         async_copy.wait_group(0)
-        mbarrier.wait(k_free.index(buf), ((it // 2) & 1) ^ 1)
+        mbarrier.wait(k_free.index(buf), (((it + IT0) // 2) & 1) ^ 1)
         kt = k_s.index(buf)
         bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
         for c in gl.static_range(_ST):
@@ -351,27 +353,18 @@ def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free,
 
 
 @gluon.jit
-def _wide_kernel(
-        q_ptr, part_ptr, pml_ptr,
-        wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
-        ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr, nent_ptr,
-        s_qb, s_qh, s_pb, s_ps, s_ph,
-        s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
-        s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-        ring, window, epb, max_blocks, n_comp, qk_scale, ring_kv, ring_rope, ring_sc,
-        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, VALUE_REGS: gl.constexpr,
-        LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
-    """Program (b, 0, split) -> part[b, split, :, :] (acc / l [H, D] fp16), pml[b, split, :, :] (m, l).
-    PDL: launched while the kernel before it runs; waits for it here, then lets the combine launch
-    (as `decode_common.pdl_enter`). H200, 128K, layers: B = 64 CSA 242.3-242.9 -> 239.3-240.1 µs, HCA
-    127.9 -> 126.3-126.6, B = 16 -1 µs each (the op alone +-0.4)."""
+def _pdl_enter(PDL: gl.constexpr):
+    """As `decode_common.pdl_enter`: wait for the kernel before, then let the one after launch."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    b = gl.program_id(0)
-    split = gl.program_id(2)
-    n_split = gl.num_programs(2)
+
+
+@gluon.jit
+def _buffers(H: gl.constexpr, D: gl.constexpr):
+    """The program's shared memory: q, two key tiles, two p tiles with their rescale factors, the key
+    masks, the staged chunks, the softmax sums, and the hand-over mbarriers (initialised)."""
     QS_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.float16)
     K_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.float16)
     P_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, _BN], gl.float16)
@@ -393,6 +386,29 @@ def _wide_kernel(
         mbarrier.init(k_free.index(i), count=2)
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_free.index(i), count=1)
+    return q_s, k_s, p_s, a_s, bias_s, raw_s, l_s, k_ready, k_free, p_ready, p_free, l_ready
+
+
+@gluon.jit
+def _wide_kernel(
+        q_ptr, part_ptr, pml_ptr,
+        wkv_ptr, wrope_ptr, wsc_ptr, swa_pos_ptr, slots_ptr, pos_ptr,
+        ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr, nent_ptr,
+        s_qb, s_qh, s_pb, s_ps, s_ph,
+        s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_pos,
+        s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
+        ring, window, epb, max_blocks, n_comp, qk_scale, ring_kv, ring_rope, ring_sc,
+        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, VALUE_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
+    """Program (b, 0, split) -> part[b, split, :, :] (acc / l [H, D] fp16), pml[b, split, :, :] (m, l).
+    PDL: launched while the kernel before it runs; waits for it here, then lets the combine launch
+    (as `decode_common.pdl_enter`). H200, 128K, layers: B = 64 CSA 242.3-242.9 -> 239.3-240.1 µs, HCA
+    127.9 -> 126.3-126.6, B = 16 -1 µs each (the op alone +-0.4)."""
+    _pdl_enter(PDL)
+    b = gl.program_id(0)
+    split = gl.program_id(2)
+    n_split = gl.num_programs(2)
+    (q_s, k_s, p_s, a_s, bias_s, raw_s, l_s, k_ready, k_free, p_ready, p_free, l_ready) = _buffers(H, D)
 
     slot = gl.load(slots_ptr + b).to(gl.int64)
     t = gl.load(pos_ptr + b)

@@ -40,6 +40,11 @@ from dsv4.kernels.triton.decode_attention import (
 from dsv4.kernels.triton.decode_common import LOG2E, Views, note_compile, precision_id, rows, split_operand
 from dsv4.kernels.triton.prefill_attention_halves import prefill_halves_tiles, prefill_value_halves, window_rows
 
+try:        # Gluon (Triton 3.6+): the wide scheme
+    from dsv4.kernels.triton import prefill_attention_wide as pw
+except ImportError:
+    pw = None
+
 
 @triton.jit
 def _prefill_attn_kernel(
@@ -126,14 +131,12 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
     scheme = scheme or _prefill_scheme(heads, nch, prec, cuda, block_h is None and num_stages is None)
-    if scheme == "halves" and (prec != 1 or nch % 2):
-        raise InputError(f"the halves scheme takes bf16 operands and an even number of 64-channel chunks, not "
+    if scheme in ("halves", "wide") and (prec != 1 or nch % 2):
+        raise InputError(f"the {scheme} scheme takes bf16 operands and an even number of 64-channel chunks, not "
                          f"precision {precision or 'default'} at D {dim}")
-    halves = scheme == "halves"
-    out = torch.empty(t_all, heads, dim, dtype=(out_dtype or torch.float32) if halves else torch.float32,
-                      device=q.device)
+    halves = scheme in ("halves", "wide")
     if t_all == 0:
-        return out if halves else _finish(out, None, out_dtype)
+        return torch.empty(t_all, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
     row_dtype = torch.float32 if kv_fmt.name == "fp32" else torch.bfloat16    # exact for fp8_ds / bf16 rows
     old_kv, new_kv = old_kv.to(row_dtype).contiguous(), new_kv.to(row_dtype).contiguous()
     old_pos = old_pos.contiguous()
@@ -155,6 +158,14 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                 indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E)
     consts = {"D": dim, "NOPE": kv_fmt.dim - kv_fmt.rope_dim, "FMT": _MAIN_FMT[kv_fmt.name], "MODE": mode,
               "NATIVE": cuda}
+    if scheme == "wide":
+        nope = kv_fmt.dim - kv_fmt.rope_dim
+        if pw is None or not pw.supported(q, old_kv, new_kv, (ckv, crope, csc), dim, nope, kv_fmt.name):
+            raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
+                             "64 heads on an sm_90 GPU, with Triton 3.6 or later")
+        return pw.prefill_wide(q, sinks, rope, out_dtype, sources, geometry, dim=dim, nope=nope, mode=mode)
+    out = torch.empty(t_all, heads, dim, dtype=(out_dtype or torch.float32) if halves else torch.float32,
+                      device=q.device)
     if halves:
         bn, warps = prefill_halves_tiles(cuda)
         prefill_value_halves(q, sinks, out, rope, sources, geometry, dim=dim, nope=consts["NOPE"], nch=nch,
@@ -172,7 +183,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
 
 
 #: the schemes of prefill_attention
-PREFILL_SCHEMES = ("fused", "halves")
+PREFILL_SCHEMES = ("fused", "halves", "wide")
 #: the halves scheme from this many heads on CUDA (one warpgroup's 64 rows)
 HALVES_MIN_HEADS = 64
 
