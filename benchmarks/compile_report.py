@@ -218,11 +218,13 @@ def main() -> int:
                          s2.kv_format, b.block_table[:1], s2.entries_per_block,
                          torch.arange(512).repeat(n, 1) if kind == "csa" else None, s2.compress_ratio,
                          2048 // s2.compress_ratio, torch.randn(64), 512 ** -0.5)
+                fin = {"rope": (torch.rand(n, 32), torch.rand(n, 32)), "out_dtype": torch.bfloat16}
                 with contextlib.ExitStack() as es:
                     es.enter_context(_patched(pw, "supported", lambda *a: True))
-                    es.enter_context(_patched(pw, "combine", lambda *a: None))
-                    report(f"prefill wide {kind}", pw, "_prefill_wide_kernel",
-                           lambda pargs=pargs: pa.prefill_attention(*pargs, scheme="wide"))
+                    es.enter_context(_patched(pw, "sm_count", lambda dev: 132))
+                    for label, kw in (("", {}), (" rope bf16-out", fin)):
+                        report(f"prefill wide {kind}{label}", pw, "_prefill_wide_kernel",
+                               lambda pargs=pargs, kw=kw: pa.prefill_attention(*pargs, scheme="wide", **kw))
             if "attention" not in which:
                 continue
             for bh, bn, w in [(16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8), (32, 32, 8),

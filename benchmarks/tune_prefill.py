@@ -118,6 +118,14 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
                     lambda kw=kw, args=args: prefill_attention(*args, **kw),
                     lambda out, want=want: None if rel(out.float(), want) < 1e-2 else f"rel {rel(out.float(), want)}",
                     "prefill_attention")
+        # ... with the layer's bf16 queries
+        bargs = (q.bfloat16(), *args[1:])
+        want = prefill_attention(*bargs, scheme="fused", **finish).float()
+        for sch in ("halves", "wide"):
+            attempt("pattn", f"{kind} T={chunk}", f"scheme={sch} rope bf16-out bf16-q",
+                    lambda sch=sch, bargs=bargs, fin=finish: prefill_attention(*bargs, scheme=sch, **fin),
+                    lambda out, want=want: None if rel(out.float(), want) < 1e-2 else f"rel {rel(out.float(), want)}",
+                    "prefill_attention")
 
 
 def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:

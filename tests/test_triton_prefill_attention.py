@@ -183,8 +183,9 @@ def test_prefill_attention_scheme_errors():
 @pytest.mark.parametrize("kv_format", ["fp8_ds", "bf16", "fp32"])
 def test_prefill_attention_v4_flash_shapes(kv_format, layer):
     """64 heads, D 512, K 512: a long first chunk, a chunk after 4K cached, a short one after 20K.
-    The default (halves for fp8_ds / bf16, fused for fp32), in the layer's form (rotation, bf16
-    output, bf16 q where the format is bf16-exact), and the fused kernel on bf16 operands."""
+    The default (wide for fp8_ds on sm_90, halves for bf16 and elsewhere, fused for fp32), in the
+    layer's form (rotation, bf16 output, bf16 q where the format is bf16-exact), and the fused kernel
+    on bf16 operands."""
     args = list(prefill_args("real", kv_format, layer, 64, ((0, 1000), (4000, 700), (20000, 129)), topk=512))
     want = ref_prefill_attention(*args)
     close(prefill_attention(*args), want, tol(kv_format))
@@ -217,6 +218,7 @@ def test_prefill_attention_wide(layer):
     args = list(prefill_args("real", "fp8_ds", layer, 64, steps, topk=512))
     want = ref_prefill_attention(*args)
     close(prefill_attention(*args, scheme="wide"), want, TOL["fp16"])
+    assert torch.equal(prefill_attention(*args), prefill_attention(*args, scheme="wide"))    # the default here
     args[0] = args[0].to(torch.bfloat16)
     fin = finish_args(args[0].shape[0], 7 + layer)
     want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32)

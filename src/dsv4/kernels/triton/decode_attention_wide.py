@@ -186,25 +186,14 @@ def _tile_rows(tile, blk, row, ok, slot, n_wt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp
 
 
 @gluon.jit
-def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
-            s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
-            ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
-            n_comp, MODE: gl.constexpr, NOPE: gl.constexpr, IT0: gl.constexpr = 0):
-    # IT0: tiles the buffers took before this loop (the prefill kernel's window tiles), so the
-    # buffer and phase of each tile continue theirs.
-    # A tile's first four chunks reach shared memory by cp.async a tile ahead; its other chunks,
-    # rope and key mask are loaded into registers at the top of its iteration and used after the
-    # staged chunks are dequantised. The tile's proxy fence (before the MMAs read it) waits for every
-    # load a thread has in flight, but not for cp.async copies: register loads cannot stay in flight
-    # across it, the staged chunks do.
-    # The lookups run in the rows' threads: no layout conversion between them and the loads.
+def _entry_prologue(raw_s, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, csc_ptr, s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp,
+                    s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, ring_kv, ring_rope, ring_sc, b, slot,
+                    t, split, n_split, n_wt, n_c, ring, window, epb, max_blocks, n_comp, MODE: gl.constexpr,
+                    NOPE: gl.constexpr):
+    """The loader's start: tile `split`'s rows, staged chunks and scale words in flight, tile
+    split + n_split's page lookups and tile split + 2 n_split's index lookups (`_loader_loop`'s state)."""
     KL: gl.constexpr = _rows()
-    RL: gl.constexpr = _rope()
-    RROWS: gl.constexpr = gl.SliceLayout(1, RL)
-    jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
     strides = (s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr)
-    # tile `split`: its rows, staged chunks and scale words in flight; tile split + n_split's page
-    # lookups and tile split + 2 n_split's index lookups
     wv, ev = _stage_index(split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
     blk, row, ok = _stage_page(split, wv, ev, b, t, n_wt, n_c, bt_ptr, s_bt, window, epb, max_blocks, MODE, KL)
     wv, ev = _stage_index(split + n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp, MODE, KL)
@@ -215,9 +204,26 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
                                      max_blocks, MODE, KL)
     wv, ev = _stage_index(split + 2 * n_split, b, slot, n_wt, swa_pos_ptr, idx_ptr, s_pos, s_idx, ring, n_comp,
                           MODE, KL)
+    return kv, rp, ok, sw, blk_n, row_n, ok_n, wv, ev
+
+
+@gluon.jit
+def _loader_loop(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+                 s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+                 ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
+                 max_blocks, n_comp, kv, rp, ok, sw, blk_n, row_n, ok_n, wv, ev, it0, MODE: gl.constexpr,
+                 NOPE: gl.constexpr):
+    """The loader's `mine` tiles from `_entry_prologue`'s state; it0: tiles the key buffers took
+    before (the prefill kernel's window tiles and earlier tokens), so each tile's buffer and phase
+    continue theirs."""
+    KL: gl.constexpr = _rows()
+    RL: gl.constexpr = _rope()
+    RROWS: gl.constexpr = gl.SliceLayout(1, RL)
+    jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
+    strides = (s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr)
     for it in range(0, mine):
         tile = split + it * n_split
-        buf = (it + IT0) % 2
+        buf = (it + it0) % 2
         # this tile's register chunks and rope, and the next tile's scale words, in flight ...
         p4, m4 = _chunk_ptrs(ckv_ptr, kv, ok, 4, NOPE)
         p5, m5 = _chunk_ptrs(ckv_ptr, kv, ok, 5, NOPE)
@@ -233,7 +239,7 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
         sw_n = gl.load((csc_ptr + sc_n).to(gl.pointer_type(gl.uint64)), mask=ok_n, other=0)
         # ... under the staged chunks' dequantisation, once both MMA warpgroups are done with tile it - 2
         async_copy.wait_group(0)
-        mbarrier.wait(k_free.index(buf), (((it + IT0) // 2) & 1) ^ 1)
+        mbarrier.wait(k_free.index(buf), (((it + it0) // 2) & 1) ^ 1)
         kt = k_s.index(buf)
         bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
         for c in gl.static_range(_ST):
@@ -257,6 +263,27 @@ def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, c
 
 
 @gluon.jit
+def _loader(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+            s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+            ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb, max_blocks,
+            n_comp, MODE: gl.constexpr, NOPE: gl.constexpr):
+    # A tile's first four chunks reach shared memory by cp.async a tile ahead; its other chunks,
+    # rope and key mask are loaded into registers at the top of its iteration and used after the
+    # staged chunks are dequantised. The tile's proxy fence (before the MMAs read it) waits for every
+    # load a thread has in flight, but not for cp.async copies: register loads cannot stay in flight
+    # across it, the staged chunks do.
+    # The lookups run in the rows' threads: no layout conversion between them and the loads.
+    state = _entry_prologue(raw_s, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, csc_ptr, s_pos, s_idx, s_bt, s_wkp, s_wkr,
+                            s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, ring_kv, ring_rope,
+                            ring_sc, b, slot, t, split, n_split, n_wt, n_c, ring, window, epb, max_blocks, n_comp,
+                            MODE, NOPE)
+    _loader_loop(k_s, bias_s, raw_s, k_ready, k_free, swa_pos_ptr, idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr,
+                 s_pos, s_idx, s_bt, s_wkp, s_wkr, s_wrp, s_wrr, s_wsp, s_wsr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+                 ring_kv, ring_rope, ring_sc, b, slot, t, split, n_split, mine, n_wt, n_c, ring, window, epb,
+                 max_blocks, n_comp, *state, 0, MODE, NOPE)
+
+
+@gluon.jit
 def _store_part(part_ptr, acc, l_i, stage, b, split, s_pb, s_ps, s_ph, D0: gl.constexpr, O_L: gl.constexpr):
     """The normalised partial acc / l (0 where the split saw no key) as fp16 into channels D0 .. of
     part[b, split]: a convex combination of fp16 values (|v| <= 448 2^7), so fp16 holds it; half the
@@ -276,21 +303,62 @@ def _store_part(part_ptr, acc, l_i, stage, b, split, s_pb, s_ps, s_ph, D0: gl.co
 
 
 @gluon.jit
+def _values_tile(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, g, acc, D: gl.constexpr, O_L: gl.constexpr):
+    """The values warpgroup's step of key tile g (counted over the program's tiles): acc[:, D/2:]
+    rescaled, += p . V with the scores warpgroup's p; frees the key and p buffers."""
+    buf = g % 2
+    ph = (g // 2) & 1
+    mbarrier.wait(k_ready.index(buf), ph)
+    mbarrier.wait(p_ready.index(buf), ph)
+    alpha = a_s.index(buf).load(gl.SliceLayout(1, O_L))
+    acc = acc * gl.expand_dims(alpha, 1)
+    acc = warpgroup_mma(p_s.index(buf), k_s.index(buf).slice(D // 2, D // 2, dim=1), acc)
+    _barrier()
+    mbarrier.arrive(k_free.index(buf), count=1)
+    mbarrier.arrive(p_free.index(buf), count=1)
+    return acc
+
+
+@gluon.jit
+def _scores_tile(q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, g, m_i, l_i, acc, s0, qk_scale,
+                 D: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr, P_L: gl.constexpr):
+    """The scores warpgroup's step of key tile g: S = q . K^T, the online softmax, p and the rescale
+    factor handed to the values warpgroup, acc[:, :D/2] += p . V -> (m_i, l_i, acc)."""
+    buf = g % 2
+    ph = (g // 2) & 1
+    mbarrier.wait(k_ready.index(buf), ph)
+    kt = k_s.index(buf)
+    s = warpgroup_mma(q_s, kt.permute((1, 0)), s0, use_acc=False, is_async=True)
+    bias = bias_s.index(buf).load(gl.SliceLayout(0, S_L))        # under the MMA
+    s = warpgroup_mma_wait(0, deps=[s])
+    s = s * qk_scale + gl.expand_dims(bias, 0)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: keep exp2 finite
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    m_i = m_new
+    p16 = p.to(gl.float16)
+    mbarrier.wait(p_free.index(buf), ph ^ 1)        # the values warpgroup is done with tile g - 2's p
+    p_s.index(buf).store(p16)
+    a_s.index(buf).store(alpha)
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(p_ready.index(buf), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+    acc = warpgroup_mma(gl.convert_layout(p16, P_L), kt.slice(0, D // 2, dim=1), acc)
+    _barrier()
+    mbarrier.arrive(k_free.index(buf), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _values(q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph, b, split,
             mine, D: gl.constexpr, H: gl.constexpr):
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
     for it in range(0, mine):
-        buf = it % 2
-        ph = (it // 2) & 1
-        mbarrier.wait(k_ready.index(buf), ph)
-        mbarrier.wait(p_ready.index(buf), ph)
-        alpha = a_s.index(buf).load(gl.SliceLayout(1, O_L))
-        acc = acc * gl.expand_dims(alpha, 1)
-        acc = warpgroup_mma(p_s.index(buf), k_s.index(buf).slice(D // 2, D // 2, dim=1), acc)
-        _barrier()
-        mbarrier.arrive(k_free.index(buf), count=1)
-        mbarrier.arrive(p_free.index(buf), count=1)
+        acc = _values_tile(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, it, acc, D, O_L)
     mbarrier.wait(l_ready.index(0), 0)              # the scores warpgroup's softmax sums, its MMAs done
     _store_part(part_ptr, acc, l_s.load(gl.SliceLayout(1, O_L)), q_s.slice(D // 2, D // 2, dim=1), b, split,
                 s_pb, s_ps, s_ph, D // 2, O_L)
@@ -316,31 +384,8 @@ def _scores(q_ptr, s_qb, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free,
     acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
     s0 = gl.zeros([H, _BN], gl.float32, layout=S_L)
     for it in range(0, mine):
-        buf = it % 2
-        ph = (it // 2) & 1
-        mbarrier.wait(k_ready.index(buf), ph)
-        kt = k_s.index(buf)
-        s = warpgroup_mma(q_s, kt.permute((1, 0)), s0, use_acc=False, is_async=True)
-        bias = bias_s.index(buf).load(gl.SliceLayout(0, S_L))        # under the MMA
-        s = warpgroup_mma_wait(0, deps=[s])
-        s = s * qk_scale + gl.expand_dims(bias, 0)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: keep exp2 finite
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p16 = p.to(gl.float16)
-        mbarrier.wait(p_free.index(buf), ph ^ 1)        # the values warpgroup is done with tile it - 2's p
-        p_s.index(buf).store(p16)
-        a_s.index(buf).store(alpha)
-        fence_async_shared()
-        _barrier()
-        mbarrier.arrive(p_ready.index(buf), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        acc = warpgroup_mma(gl.convert_layout(p16, P_L), kt.slice(0, D // 2, dim=1), acc)
-        _barrier()
-        mbarrier.arrive(k_free.index(buf), count=1)
+        m_i, l_i, acc = _scores_tile(q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, it, m_i, l_i, acc,
+                                     s0, qk_scale, D, S_L, O_L, P_L)
     l_s.store(l_i)                                  # for the values warpgroup's half
     _barrier()
     mbarrier.arrive(l_ready.index(0), count=1)

@@ -1,8 +1,10 @@
 """Triton twin of `reference.attention.prefill_attention`: sink attention of every new token of a
-prefill (or mixed) batch over its window and its compressed entries. Two schemes: the fused
-kernel below (any precision, any head count) and, the default for bf16 operands at D 512 with 64
-or more heads on CUDA, the value halves (`prefill_attention_halves`; H200, an 8K chunk after 24K
-cached: 2.3x (CSA) and 2.2x (HCA) faster).
+prefill (or mixed) batch over its window and its compressed entries. Three schemes: the fused
+kernel below (any precision, any head count); the value halves (`prefill_attention_halves`), the
+default for bf16 operands at D 512 with 64 or more heads on CUDA (H200, an 8K chunk after 24K
+cached: 2.3x (CSA) and 2.2x (HCA) faster than the fused kernel); and where its conditions hold
+(fp8_ds entries, 64 heads, an sm_90 GPU), the wide scheme in its place (`prefill_attention_wide`,
+Gluon: H100, the same chunk in the layer's form, 2.0x (CSA) and 1.8x (HCA) faster than the halves).
 
     grid (T, head blocks): program (i, hb) is token i's BLOCK_H heads; one online softmax over
         window     positions t - W + 1 .. t in key tiles: position p < p0 (the request's first
@@ -130,6 +132,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
     cuda = q.device.type == "cuda"
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
+    default = scheme is None
     scheme = scheme or _prefill_scheme(heads, nch, prec, cuda, block_h is None and num_stages is None)
     if scheme in ("halves", "wide") and (prec != 1 or nch % 2):
         raise InputError(f"the {scheme} scheme takes bf16 operands and an even number of 64-channel chunks, not "
@@ -158,8 +161,13 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                 indices.shape[1] if indices is not None else 0, max(ratio, 1), scale * LOG2E)
     consts = {"D": dim, "NOPE": kv_fmt.dim - kv_fmt.rope_dim, "FMT": _MAIN_FMT[kv_fmt.name], "MODE": mode,
               "NATIVE": cuda}
+    nope = kv_fmt.dim - kv_fmt.rope_dim
+    if default and scheme == "halves" and pw is not None and pw.supported(q, old_kv, new_kv, (ckv, crope, csc), dim,
+                                                                          nope, kv_fmt.name):
+        # H100, an 8K chunk after 24K cached, bf16 q, rotation and bf16 output (the layer's form;
+        # `benchmarks/tune_decode.py --prefill-attention`): halves / wide CSA 3,951 / 1,931 µs, HCA 2,248 / 1,271
+        scheme = "wide"
     if scheme == "wide":
-        nope = kv_fmt.dim - kv_fmt.rope_dim
         if pw is None or not pw.supported(q, old_kv, new_kv, (ckv, crope, csc), dim, nope, kv_fmt.name):
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
                              "64 heads on an sm_90 GPU, with Triton 3.6 or later")

@@ -1,21 +1,32 @@
 """Wide prefill attention (Gluon, sm_90): the decode wide kernel's program (`decode_attention_wide`:
-loader, scores and values warpgroups over all 64 heads and 512 channels) for each new token of a
+loader, scores and values warpgroups over all 64 heads and 512 channels) for the new tokens of a
 prefill chunk, fp8_ds entries (the "wide" scheme of `prefill_attention`).
 
-    grid (T,): program i runs one online softmax over token i's key tiles: its window's 64-row
-    tiles first (bf16 rows of this step, `new_kv`, or of the ring gathered before the step,
-    `old_kv`, picked as `prefill_attention_halves.window_rows` picks them), then its entries'
-    tiles (CSA: its selected indices; HCA: the first (t + 1) // m entries) through the decode
-    loader's pipeline. It stores its normalised partial as one split of the decode kernel does,
-    and the decode split combine (`decode_combine.combine`) adds the sink, applies the inverse
-    rotation and writes the output dtype.
+    grid (G,), G = min(T, SMs), persistent: program j takes tokens j, j + G, ...; for each, one
+    online softmax over its key tiles: its window's 64-row tiles first (bf16 rows of this step,
+    `new_kv`, or of the ring gathered before the step, `old_kv`, picked as
+    `prefill_attention_halves.window_rows` picks them), then its entries' tiles (CSA: its selected
+    indices; HCA: the first (t + 1) // m entries) through the decode loader's pipeline. Each
+    warpgroup finishes its half of the channels: the sink, the inverse rotation, out's dtype.
+
+The key buffers' hand-over runs on across tokens (one tile count for the program), so the loader
+starts a token's tiles while the MMA warpgroups finish the last one's; between two tokens the
+scores warpgroup stores its half of the output and loads the next queries (asked into the L2 by
+the values warpgroup as the token before started). Shared memory is the decode kernel's plus
+the maxima and a `q_free` barrier: the output goes out through the queries' tile, so the next
+queries wait until the values warpgroup has read its half.
 
 Against the value-halves scheme (`prefill_attention_halves`: two programs a token, each computing
 every logit and half the values on one warpgroup, 32-key tiles) each key tile is dequantised once
-and its logits computed once, on warpgroup MMAs fed by a loader warpgroup of their own. Operands
-are fp16, as the decode wide kernel's: e4m3 x 2^(e - 127) is fp16-exact (`_store_chunk`), and the
-window's bf16 rows convert exactly above 2^-14 in magnitude (below, fp16's subnormals keep fewer
-bits: an error under 2^-25 a channel).
+and its logits computed once, on warpgroup MMAs fed by a loader warpgroup of their own. H100, an
+8K chunk after 24K cached, bf16 q, rotation and bf16 output, µs (`benchmarks/tune_decode.py
+--prefill-attention`): halves / a program a token with the decode split combine / persistent: CSA
+3,951 / 2,323 / 1,931, HCA 2,248 / 1,719 / 1,271.
+
+Operands are fp16, as the decode wide kernel's: e4m3 x 2^(e - 127) is fp16-exact (`_store_chunk`),
+and the window's bf16 rows convert exactly above 2^-14 in magnitude (below, fp16's subnormals keep
+fewer bits: an error under 2^-25 a channel). The output passes through fp16 on its way out, as
+the decode kernel's normalised partials do.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from dsv4.kernels.triton import decode_attention_wide as dw
-from dsv4.kernels.triton.decode_combine import combine
+from dsv4.kernels.triton.decode_common import sm_count
 
 #: keys a tile, as the decode wide kernel's
 BLOCK_N = dw.BLOCK_N
@@ -34,11 +45,27 @@ _BN = gl.constexpr(BLOCK_N)
 
 
 @gluon.jit
+def _token(i, treq_ptr, pos_ptr, cu_ptr, n_idx, ratio, MODE: gl.constexpr, WINDOW: gl.constexpr):
+    """Token i's request b, position t, its request's first new position p0, its entries n_c (MODE 0
+    SWA: none; 1 CSA: its n_idx selections; 2 HCA: the first (t + 1) // ratio) and key tiles."""
+    b = gl.load(treq_ptr + i).to(gl.int64)
+    t = gl.load(pos_ptr + i).to(gl.int32)
+    p0 = t - (i - gl.load(cu_ptr + b).to(gl.int64)).to(gl.int32)
+    if MODE == 2:
+        n_c = (t + 1) // ratio
+    elif MODE == 1:
+        n_c = t * 0 + n_idx
+    else:
+        n_c = t * 0
+    return b, t, p0, n_c, (WINDOW + _BN - 1) // _BN + gl.cdiv(n_c, _BN)
+
+
+@gluon.jit
 def _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb, s_nt, b, i, t,
-                  p0, ring, WINDOW: gl.constexpr, D: gl.constexpr):
-    """Tiles 0 .. cdiv(W, 64) - 1: window rows r at positions p = t - W + 1 + r, p >= p0 new row
-    i - t + p, p < p0 ring row W - p0 + p of the gathered ring (its stored position checked); bf16
-    rows into the fp16 key tiles, four 64-channel chunks of loads in flight at a time."""
+                  p0, ring, g, WINDOW: gl.constexpr, D: gl.constexpr):
+    """Key tiles g .. g + cdiv(W, 64) - 1: window rows r at positions p = t - W + 1 + r, p >= p0 new
+    row i - t + p, p < p0 ring row W - p0 + p of the gathered ring (its stored position checked);
+    bf16 rows into the fp16 key tiles, four 64-channel chunks of loads in flight at a time."""
     RL: gl.constexpr = dw._rope()
     ROWS: gl.constexpr = gl.SliceLayout(1, RL)
     jr = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
@@ -54,75 +81,206 @@ def _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_
         rowp = gl.where(new, new_ptr + (i - t + p).to(gl.int64) * s_nt, old_ptr + b * s_ob + orow.to(gl.int64) * s_or)
         rowp = gl.expand_dims(rowp, 1) + jr
         okr = gl.expand_dims(ok, 1)
-        mbarrier.wait(k_free.index(w % 2), ((w // 2) & 1) ^ 1)
-        kt = k_s.index(w % 2)
-        bias_s.index(w % 2).store(gl.where(ok, 0.0, float("-inf")))
+        buf = (g + w) % 2
+        # the first four chunks in flight before the wait for the buffer, the next four after their stores
+        x0 = gl.load(rowp, mask=okr, other=0.0)
+        x1 = gl.load(rowp + 64, mask=okr, other=0.0)
+        x2 = gl.load(rowp + 128, mask=okr, other=0.0)
+        x3 = gl.load(rowp + 192, mask=okr, other=0.0)
+        mbarrier.wait(k_free.index(buf), (((g + w) // 2) & 1) ^ 1)
+        kt = k_s.index(buf)
+        bias_s.index(buf).store(gl.where(ok, 0.0, float("-inf")))
         for h in gl.static_range(D // 256):
-            x0 = gl.load(rowp + (4 * h) * 64, mask=okr, other=0.0)
-            x1 = gl.load(rowp + (4 * h + 1) * 64, mask=okr, other=0.0)
-            x2 = gl.load(rowp + (4 * h + 2) * 64, mask=okr, other=0.0)
-            x3 = gl.load(rowp + (4 * h + 3) * 64, mask=okr, other=0.0)
+            if h > 0:
+                x0 = gl.load(rowp + (4 * h) * 64, mask=okr, other=0.0)
+                x1 = gl.load(rowp + (4 * h + 1) * 64, mask=okr, other=0.0)
+                x2 = gl.load(rowp + (4 * h + 2) * 64, mask=okr, other=0.0)
+                x3 = gl.load(rowp + (4 * h + 3) * 64, mask=okr, other=0.0)
             kt.slice((4 * h) * 64, 64, dim=1).store(x0.to(gl.float16))
             kt.slice((4 * h + 1) * 64, 64, dim=1).store(x1.to(gl.float16))
             kt.slice((4 * h + 2) * 64, 64, dim=1).store(x2.to(gl.float16))
             kt.slice((4 * h + 3) * 64, 64, dim=1).store(x3.to(gl.float16))
         fence_async_shared()            # generic-proxy stores before the MMAs' async-proxy reads
         dw._barrier()                   # ... from all four warps before the one arrive
-        mbarrier.arrive(k_ready.index(w % 2), count=1)
+        mbarrier.arrive(k_ready.index(buf), count=1)
 
 
 @gluon.jit
-def _prefill_loader(k_s, bias_s, raw_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb, s_nt,
-                    idx_row, bt_row, ckv_ptr, crope_ptr, csc_ptr, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
-                    b, i, t, p0, ring, n_et, n_c, epb, max_blocks, n_idx,
-                    WINDOW: gl.constexpr, D: gl.constexpr, MODE: gl.constexpr, NOPE: gl.constexpr):
-    _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb, s_nt, b, i, t,
-                  p0, ring, WINDOW, D)
-    if MODE != 0:
-        # the decode loader over the entry tiles alone: no ring (n_wt 0), one split, the token's
-        # index row and its request's block-table row as rows 0
-        dw._loader(k_s, bias_s, raw_s, k_ready, k_free, oldpos_ptr, idx_row, bt_row, ckv_ptr, crope_ptr, csc_ptr,
-                   0, 0, 0, 0, 0, 0, 0, 0, 0, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, 0, 0, 0,
-                   0, 0, t, 0, 1, n_et, 0, n_c, 0, WINDOW, epb, max_blocks, n_idx, MODE, NOPE,
-                   (WINDOW + _BN - 1) // _BN)
+def _loader(k_s, bias_s, raw_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, treq_ptr, pos_ptr, cu_ptr, idx_ptr,
+            bt_ptr, ckv_ptr, crope_ptr, csc_ptr, s_ob, s_or, s_opb, s_nt, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr,
+            s_bt, s_idx, t_all, ring, epb, max_blocks, n_idx, ratio, WINDOW: gl.constexpr, D: gl.constexpr,
+            MODE: gl.constexpr, NOPE: gl.constexpr):
+    """Per token: its entry tiles' lookups and first staged copies in flight (the decode loader's
+    start, one split, no ring, its index row and its request's block-table row as rows 0), under
+    its window tiles, then its entry tiles (the decode loader's loop)."""
+    N_WT: gl.constexpr = (WINDOW + _BN - 1) // _BN
+    g = 0
+    for i in range(gl.program_id(0), t_all, gl.num_programs(0)):
+        b, t, p0, n_c, n_tiles = _token(i, treq_ptr, pos_ptr, cu_ptr, n_idx, ratio, MODE, WINDOW)
+        if MODE != 0:
+            idx_row = idx_ptr + i.to(gl.int64) * s_idx
+            bt_row = bt_ptr + b * s_bt
+            state = dw._entry_prologue(raw_s, oldpos_ptr, idx_row, bt_row, ckv_ptr, csc_ptr, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       0, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, 0, 0, 0, 0, 0, t, 0, 1, 0, n_c,
+                                       0, WINDOW, epb, max_blocks, n_idx, MODE, NOPE)
+            _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb, s_nt, b, i,
+                          t, p0, ring, g, WINDOW, D)
+            dw._loader_loop(k_s, bias_s, raw_s, k_ready, k_free, oldpos_ptr, idx_row, bt_row, ckv_ptr, crope_ptr,
+                            csc_ptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, 0, 0, 0,
+                            0, 0, t, 0, 1, n_tiles - N_WT, 0, n_c, 0, WINDOW, epb, max_blocks, n_idx, *state,
+                            g + N_WT, MODE, NOPE)
+        else:
+            _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb, s_nt, b, i,
+                          t, p0, ring, g, WINDOW, D)
+        g += n_tiles
+
+
+@gluon.jit
+def _finish(out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, acc, m_i, l_i, stage, i, D0: gl.constexpr,
+            D: gl.constexpr, HALF_R: gl.constexpr, ROPE: gl.constexpr, O_L: gl.constexpr):
+    """Channels D0 .. D0 + W of token i's output: acc / (l + 2^(sink - m)) (log2 domain, as
+    `decode_attention.with_sink`), through shared memory (`stage`: fp16, as the decode kernel's
+    partials), then RoPE_{-t} of the trailing 2 HALF_R of D channels (interleaved pairs, as
+    `decode_common.inverse_rope`), stored in out's dtype. m_i, l_i in SliceLayout(1, O_L)."""
+    H: gl.constexpr = acc.shape[0]
+    W: gl.constexpr = acc.shape[1]
+    h = gl.arange(0, H, layout=gl.SliceLayout(1, O_L))
+    sink = gl.load(sinks_ptr + h).to(gl.float32) * 1.4426950408889634
+    m_f = gl.maximum(m_i, sink)
+    alpha = gl.exp2(m_i - m_f)
+    inv = alpha / (l_i * alpha + gl.exp2(sink - m_f))
+    stage.store((acc * gl.expand_dims(inv, 1)).to(gl.float16))
+    dw._barrier()
+    R: gl.constexpr = 16                                        # rows a pass
+    ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+    PR_L: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 32, 1], [4, 1, 1], [2, 1, 0])
+    for r0 in gl.static_range(0, H, R):
+        ho = gl.arange(0, R, layout=gl.SliceLayout(1, ST_L)) + r0
+        o = stage.slice(r0, R, dim=0).load(ST_L).to(gl.float32)
+        if ROPE and D0 + W > D - 2 * HALF_R:            # this half holds rotated channels
+            ev, od = gl.split(gl.convert_layout(gl.reshape(o, [R, W // 2, 2]), PR_L))
+            jp = gl.arange(0, W // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, PR_L))) + (D0 // 2 - (D // 2 - HALF_R))
+            rot = (jp >= 0) & (jp < HALF_R)
+            cs = gl.expand_dims(gl.load(cos_ptr + i * HALF_R + jp, mask=rot, other=1.0), 0)
+            sn = gl.expand_dims(gl.load(sin_ptr + i * HALF_R + jp, mask=rot, other=0.0), 0)
+            o = gl.convert_layout(gl.reshape(gl.join(ev * cs + od * sn, od * cs - ev * sn), [R, W]), ST_L)
+        do = gl.arange(0, W, layout=gl.SliceLayout(0, ST_L)) + D0
+        gl.store(out_ptr + i.to(gl.int64) * s_ot + gl.expand_dims(ho, 1) * s_oh + gl.expand_dims(do, 0),
+                 o.to(out_ptr.dtype.element_ty))
+    dw._barrier()                       # every thread's reads of the stage done before it is written again
+
+
+# `cp.async.bulk.prefetch.L2.global [addr], size` (as `prefetch.l2_prefetch`), skipped where size is 0
+_PREFETCH_ASM = gl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+@gluon.jit
+def _prefetch_l2(q_ptr, i, s_qt, t_all, NBYTES: gl.constexpr):
+    """Token i's queries (NBYTES contiguous bytes, a multiple of 2,048) asked into the L2, a
+    piece a thread of one warpgroup; nothing past the last token."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    piece = gl.arange(0, 128, layout=L)
+    base = (q_ptr + i.to(gl.int64) * s_qt).to(gl.pointer_type(gl.int8))
+    size = gl.where(i < t_all, NBYTES // 128, 0) + piece * 0
+    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [base + piece.to(gl.int64) * (NBYTES // 128), size],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _values(q_ptr, s_qt, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, l_s, m_s, k_ready,
+            k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all, n_idx, ratio, D: gl.constexpr,
+            H: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr, HALF_R: gl.constexpr, ROPE: gl.constexpr,
+            Q_BYTES: gl.constexpr):
+    # the idle warpgroup asks for the program's next token's queries into the L2 as a token starts,
+    # so the scores warpgroup's load of them between two tokens does not wait on DRAM
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    g = 0
+    k = 0
+    for i in range(gl.program_id(0), t_all, gl.num_programs(0)):
+        _, _, _, _, n_tiles = _token(i, treq_ptr, pos_ptr, cu_ptr, n_idx, ratio, MODE, WINDOW)
+        _prefetch_l2(q_ptr, i + gl.num_programs(0), s_qt, t_all, Q_BYTES)
+        acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
+        for it in range(0, n_tiles):
+            acc = dw._values_tile(k_s, p_s, a_s, k_ready, k_free, p_ready, p_free, g + it, acc, D, O_L)
+        g += n_tiles
+        mbarrier.wait(l_ready.index(0), k & 1)          # the scores warpgroup's stats, its MMAs over q done
+        _finish(out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, acc, m_s.load(gl.SliceLayout(1, O_L)),
+                l_s.load(gl.SliceLayout(1, O_L)), q_s.slice(D // 2, D // 2, dim=1), i, D // 2, D, HALF_R, ROPE, O_L)
+        mbarrier.arrive(q_free.index(0), count=1)       # q's tile may take the next token's queries
+        k += 1
+
+
+@gluon.jit
+def _scores(q_ptr, s_qt, s_qh, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, bias_s, l_s,
+            m_s, k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all, n_idx, ratio,
+            qk_scale, D: gl.constexpr, H: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr,
+            HALF_R: gl.constexpr, ROPE: gl.constexpr):
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    hq = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(1, Q_L)), 1)
+    dq = gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, Q_L)), 0)
+    s0 = gl.zeros([H, _BN], gl.float32, layout=S_L)
+    g = 0
+    k = 0
+    for i in range(gl.program_id(0), t_all, gl.num_programs(0)):
+        _, _, _, _, n_tiles = _token(i, treq_ptr, pos_ptr, cu_ptr, n_idx, ratio, MODE, WINDOW)
+        qrow = q_ptr + i.to(gl.int64) * s_qt + hq * s_qh + dq
+        q0 = gl.load(qrow)
+        q1 = gl.load(qrow + D // 2)
+        mbarrier.wait(q_free.index(0), (k & 1) ^ 1)     # the values warpgroup is done with the last stage
+        q_s.slice(0, D // 2, dim=1).store(q0.to(gl.float16))
+        q_s.slice(D // 2, D // 2, dim=1).store(q1.to(gl.float16))
+        fence_async_shared()
+        dw._barrier()
+        m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, S_L))
+        acc = gl.zeros([H, D // 2], gl.float32, layout=O_L)
+        for it in range(0, n_tiles):
+            m_i, l_i, acc = dw._scores_tile(q_s, k_s, p_s, a_s, bias_s, k_ready, k_free, p_ready, p_free, g + it,
+                                            m_i, l_i, acc, s0, qk_scale, D, S_L, O_L, P_L)
+        g += n_tiles
+        l_s.store(l_i)                                  # for the values warpgroup's half
+        m_s.store(m_i)
+        dw._barrier()
+        mbarrier.arrive(l_ready.index(0), count=1)
+        _finish(out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)),
+                gl.convert_layout(l_i, gl.SliceLayout(1, O_L)), q_s.slice(0, D // 2, dim=1), i, 0, D, HALF_R, ROPE,
+                O_L)
+        k += 1
 
 
 @gluon.jit
 def _prefill_wide_kernel(
-        q_ptr, part_ptr, pml_ptr, old_ptr, oldpos_ptr, new_ptr, pos_ptr, treq_ptr, cu_ptr,
+        q_ptr, out_ptr, sinks_ptr, cos_ptr, sin_ptr, old_ptr, oldpos_ptr, new_ptr, pos_ptr, treq_ptr, cu_ptr,
         ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr,
-        s_qt, s_qh, s_pb, s_ps, s_ph, s_ob, s_or, s_opb, s_nt,
+        s_qt, s_qh, s_ot, s_oh, s_ob, s_or, s_opb, s_nt,
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-        window, ring, epb, max_blocks, n_idx, ratio, qk_scale,
+        window, ring, epb, max_blocks, n_idx, ratio, qk_scale, t_all,
         H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr,
-        VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, PDL: gl.constexpr):
-    """Program i -> part[i, 0] (acc / l [H, D] fp16), pml[i, 0] (m, l). MODE 0 SWA, 1 CSA (indices
-    [T, K]), 2 HCA (the first (t + 1) // ratio entries). `window` equals WINDOW (kept as the other
-    prefill kernels' argument)."""
-    dw._pdl_enter(PDL)
-    i = gl.program_id(0).to(gl.int64)
-    (q_s, k_s, p_s, a_s, bias_s, raw_s, l_s, k_ready, k_free, p_ready, p_free,
-     l_ready) = dw._buffers(H, D)
-    b = gl.load(treq_ptr + i).to(gl.int64)
-    t = gl.load(pos_ptr + i).to(gl.int32)
-    p0 = t - (i - gl.load(cu_ptr + b).to(gl.int64)).to(gl.int32)    # the request's first new position
-    if MODE == 2:
-        n_c = (t + 1) // ratio
-    elif MODE == 1:
-        n_c = n_idx
-    else:
-        n_c = t * 0
-    n_et = gl.cdiv(n_c, _BN)
-    mine = (WINDOW + _BN - 1) // _BN + n_et
+        HALF_R: gl.constexpr, ROPE: gl.constexpr, VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """Persistent: program j takes tokens j, j + G, ... (G programs) -> out[i] (finished, out's dtype).
+    MODE 0 SWA, 1 CSA (indices [T, K]), 2 HCA. `window` equals WINDOW (the other prefill kernels' argument)."""
+    (q_s, k_s, p_s, a_s, bias_s, raw_s, l_s, k_ready, k_free, p_ready, p_free, l_ready) = dw._buffers(H, D)
+    m_s = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_free.index(0), count=1)
     gl.warp_specialize([
-        (dw._scores, (q_ptr, s_qt, s_qh, q_s, k_s, p_s, a_s, bias_s, l_s, k_ready, k_free, p_ready, p_free, l_ready,
-                      part_ptr, pml_ptr, s_pb, s_ps, s_ph, i, 0, 1, mine, qk_scale, D, H)),
-        (dw._values, (q_s, k_s, p_s, a_s, l_s, k_ready, k_free, p_ready, p_free, l_ready, part_ptr, s_pb, s_ps, s_ph,
-                      i, 0, mine, D, H)),
-        (_prefill_loader, (k_s, bias_s, raw_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_ob, s_or, s_opb,
-                           s_nt, idx_ptr + i * s_idx, bt_ptr + b * s_bt, ckv_ptr, crope_ptr, csc_ptr, s_ckp, s_ckr,
-                           s_crp, s_crr, s_csp, s_csr, b, i, t, p0, ring, n_et, n_c, epb, max_blocks, n_idx,
-                           WINDOW, D, MODE, NOPE)),
+        (_scores, (q_ptr, s_qt, s_qh, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, bias_s,
+                   l_s, m_s, k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all,
+                   n_idx, ratio, qk_scale, D, H, MODE, WINDOW, HALF_R, ROPE)),
+        (_values, (q_ptr, s_qt, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, l_s, m_s,
+                   k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all, n_idx, ratio,
+                   D, H, MODE, WINDOW, HALF_R, ROPE, H * D * q_ptr.dtype.element_ty.primitive_bitwidth // 8)),
+        (_loader, (k_s, bias_s, raw_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, treq_ptr, pos_ptr, cu_ptr,
+                   idx_ptr, bt_ptr, ckv_ptr, crope_ptr, csc_ptr, s_ob, s_or, s_opb, s_nt, s_ckp, s_ckr, s_crp, s_crr,
+                   s_csp, s_csr, s_bt, s_idx, t_all, ring, epb, max_blocks, n_idx, ratio, WINDOW, D, MODE, NOPE)),
     ], [4, 4], [VALUE_REGS, LOADER_REGS])
 
 
@@ -139,18 +297,18 @@ def supported(q: torch.Tensor, old_kv: torch.Tensor, new_kv: torch.Tensor, entri
 def prefill_wide(q: torch.Tensor, sinks: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                  out_dtype: torch.dtype | None, sources: tuple, geometry: tuple, *, dim: int, nope: int,
                  mode: int) -> torch.Tensor:
-    """Launch the wide kernel and the split combine -> out [T, H, D] (out_dtype, default fp32), the
-    finished attention output, RoPE_{-t} applied where rope = (cos, sin) [T, r/2] is given.
-    sources, geometry: as `prefill_attention` passes them to its other kernels; q [T, H, D] bf16 or fp32."""
+    """Launch the wide kernel -> out [T, H, D] (out_dtype, default fp32), the finished attention output,
+    RoPE_{-t} applied where rope = (cos, sin) [T, r/2] is given. sources, geometry: as
+    `prefill_attention` passes them to its other kernels; q [T, H, D] bf16 or fp32."""
     t_all, heads, _ = q.shape
-    part = torch.empty(t_all, 1, heads, dim, dtype=torch.float16, device=q.device)
-    pml = torch.empty(t_all, 1, heads, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(t_all, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
+    cos, sin = (x.float().contiguous() for x in rope) if rope is not None else (out, out)
     window = geometry[-7]
-    _prefill_wide_kernel[(t_all,)](
-        q, part, pml, *sources, q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), *geometry,
-        H=heads, D=dim, NOPE=nope, MODE=mode, WINDOW=window, VALUE_REGS=dw.REGS[0], LOADER_REGS=dw.REGS[1],
-        PDL=False, num_warps=4, maxnreg=dw.MAXNREG)
-    return combine(part, pml, sinks, rope, out_dtype, dim, dim // 64, True)
+    _prefill_wide_kernel[(min(t_all, sm_count(q.device)),)](
+        q, out, sinks, cos, sin, *sources, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *geometry, t_all,
+        H=heads, D=dim, NOPE=nope, MODE=mode, WINDOW=window, HALF_R=rope[0].shape[-1] if rope is not None else 0,
+        ROPE=rope is not None, VALUE_REGS=dw.REGS[0], LOADER_REGS=dw.REGS[1], num_warps=4, maxnreg=dw.MAXNREG)
+    return out
 
 
 __all__ = ["BLOCK_N", "prefill_wide", "supported"]
