@@ -21,13 +21,15 @@ import triton.language as tl
 PIECE = 65536
 _PIECES = 32            # pieces a program: one a thread of its one warp
 
-# `cp.async.bulk.prefetch.L2.global [addr], size`: size > 0 and a multiple of 16, addr 16-byte aligned
-_PREFETCH_ASM = tl.constexpr("""{
+#: `cp.async.bulk.prefetch.L2.global [addr], size` ($1, $2): size a multiple of 16, addr 16-byte aligned;
+#: skipped where size is 0 (also the wide prefill kernel's next queries)
+PREFETCH_L2_ASM = """{
 .reg .pred p;
 setp.gt.s32 p, $2, 0;
 @p cp.async.bulk.prefetch.L2.global [$1], $2;
 mov.u32 $0, 0;
-}""")
+}"""
+_PREFETCH_ASM = tl.constexpr(PREFETCH_L2_ASM)
 
 
 @triton.jit

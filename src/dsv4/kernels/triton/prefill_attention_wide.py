@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from dsv4.kernels.triton import decode_attention_wide as dw
 from dsv4.kernels.triton.decode_common import sm_count
+from dsv4.kernels.triton.prefetch import PREFETCH_L2_ASM
 
 #: keys a tile, as the decode wide kernel's
 BLOCK_N = dw.BLOCK_N
@@ -170,13 +171,7 @@ def _finish(out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, acc, m_i, l_i, sta
     dw._barrier()                       # every thread's reads of the stage done before it is written again
 
 
-# `cp.async.bulk.prefetch.L2.global [addr], size` (as `prefetch.l2_prefetch`), skipped where size is 0
-_PREFETCH_ASM = gl.constexpr("""{
-.reg .pred p;
-setp.gt.s32 p, $2, 0;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}""")
+_PREFETCH_ASM = gl.constexpr(PREFETCH_L2_ASM)
 
 
 @gluon.jit
