@@ -68,12 +68,11 @@ def prefill_compress(chunk: int = 8192) -> None:
             prefill_one(name + " " + (" ".join(f"{k}={v}" for k, v in kw.items()) or "default"), chunk, run, nbytes)
 
 
-def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
-    """prefill_attention of one chunk after `cached` tokens (the last 8K chunk of a 32K prompt), fp8_ds,
-    V4-Flash heads: CSA over a random top-512 selection of the visible entries per token, HCA over
-    every visible entry; each variant checked against the default's output."""
+def prefill_chunk_args(cfg, tpb: int, chunk: int = 8192, cached: int = 24576):
+    """(kind, prefill_attention's arguments) of one chunk after `cached` tokens (the last 8K chunk of a
+    32K prompt), fp8_ds, V4-Flash heads, per layer kind: CSA over a random top-512 selection of the
+    visible entries per token, HCA over every visible entry; fp32 queries."""
     from dsv4.cache.manager import KVCacheManager
-    from dsv4.kernels.triton.prefill_attention import prefill_attention
     total = cached + chunk
     mgr = KVCacheManager(cfg, max_requests=1, num_blocks=total // tpb + 4, device=DEV, kv_format="fp8_ds",
                          indexer_format="mxfp4", tokens_per_block=tpb, max_batch_tokens=cached)
@@ -98,9 +97,17 @@ def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 2
             r = torch.rand(chunk, n, device=DEV).masked_fill(torch.arange(n, device=DEV)[None, :] >= vis[:, None], 2)
             indices = r.topk(cfg.index_topk, dim=1, largest=False).indices                # distinct visible picks
         new_kv = sch.kv_format.roundtrip(torch.randn(chunk, cfg.head_dim, device=DEV))
-        args = (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
-                cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
-                indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
+        yield kind, (q, old_kv, old_pos, new_kv, batch.positions, batch.token_request, batch.cu_seqlens,
+                     cfg.sliding_window, mgr.paged[li].kv, sch.kv_format, batch.block_table, sch.entries_per_block,
+                     indices, ratio, h.max_entries(), sinks, cfg.head_dim ** -0.5)
+
+
+def prefill_attention_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 24576) -> None:
+    """prefill_attention of one chunk after `cached` tokens (`prefill_chunk_args`), each variant
+    checked against the fused kernel's output."""
+    from dsv4.kernels.triton.prefill_attention import prefill_attention
+    for kind, args in prefill_chunk_args(cfg, tpb, chunk, cached):
+        q = args[0]
         want = prefill_attention(*args, scheme="fused")
         for kw in ({}, dict(scheme="fused"), dict(scheme="halves"), dict(scheme="wide"),
                    dict(scheme="halves", block_n=16), dict(scheme="fused", block_h=16, block_n=32, num_warps=8),
