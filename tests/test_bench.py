@@ -237,3 +237,29 @@ def test_failures_become_row_statuses(tmp_path, one_thread, monkeypatch):
     (hf_row,) = _rows(doc, context=64, impl="hf")
     assert hf_row["status"] == "skipped" and "DeepSeek-V4" in hf_row["reason"]
     assert any("DeepSeek-V4" in s["reason"] for s in doc["skipped"])
+
+
+def test_missed_speedup_target_names_the_layers_byte_floor():
+    """A missed "x faster than transformers" target says what step the goal asks for and how long the
+    layer's own bytes take at the copy ceiling (and that the goal is out of reach when the second is
+    longer); a met target, or one without a transformers number, carries no such note."""
+    from dsv4.bench.common import FP8_IMPL, Row
+    from dsv4.bench.report import targets
+
+    def layer_row(layer: str, impl: str, us: float, pct_bw: float, x_vs_hf: float | None) -> Row:
+        return Row(kind="decode", layer=layer, context=131072, batch=1, op="layer", impl=impl, us=us,
+                   pct_bw=pct_bw, x_vs_hf=x_vs_hf)
+
+    rows = [layer_row("hca", "triton", 96.4, 76.4, 1878.5 / 96.4),        # bytes 73.6 µs > 62.6 asked
+            layer_row("hca", FP8_IMPL, 80.0, 40.0, 1878.5 / 80.0),        # bytes 32.0 µs < 62.6 asked
+            layer_row("csa", "triton", 122.8, 68.5, 4870.9 / 122.8),      # met
+            layer_row("csa", FP8_IMPL, 87.3, 52.9, None)]                 # no transformers number
+    got = {(t["layer"], "FP8" in t["name"]): t for t in targets(rows) if "transformers" in t["name"]}
+    bf16_hca, fp8_hca = got[("hca", False)], got[("hca", True)]
+    assert bf16_hca["met"] is False and fp8_hca["met"] is False
+    assert "asks for 62.6 µs" in bf16_hca["note"] and "take 73.6 µs" in bf16_hca["note"]
+    assert "out of reach" in bf16_hca["note"]
+    assert "asks for 62.6 µs" in fp8_hca["note"] and "take 32.0 µs" in fp8_hca["note"]
+    assert "out of reach" not in fp8_hca["note"]
+    assert got[("csa", False)]["met"] is True and got[("csa", False)]["note"] is None
+    assert got[("csa", True)]["met"] is None and "no comparison number" in got[("csa", True)]["note"]
