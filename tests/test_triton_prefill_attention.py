@@ -225,3 +225,32 @@ def test_prefill_attention_wide(layer):
     out = prefill_attention(*args, scheme="wide", **fin)
     assert out.dtype == torch.bfloat16
     close(out.float(), want, TOL["bf16"])
+
+
+def test_prefill_attention_default_picks_wide_where_it_runs(monkeypatch):
+    """The default scheme rule, on any machine: where the halves scheme would be the default and the
+    wide kernel takes the call (`prefill_attention_wide.supported`, stubbed here), the wide scheme
+    runs instead; an explicit scheme, a fused-kernel knob or a refusing `supported` keep theirs."""
+    from dsv4.kernels.triton import prefill_attention as pa
+    if pa.pw is None:
+        pytest.skip("Gluon (Triton 3.6+) is not installed")
+    calls = []
+
+    def fake_wide(q, *a, **k):
+        calls.append("wide")
+        return torch.zeros(q.shape, dtype=k.get("out_dtype") or torch.float32)
+
+    monkeypatch.setattr(pa.pw, "prefill_wide",
+                        lambda q, sinks, rope, out_dtype, *a, **k: fake_wide(q, out_dtype=out_dtype))
+    args = prefill_args("tiny", "fp8_ds", CSA, 4, ((0, 3),))
+    # as on a GPU at 64 heads: the halves scheme unless a fused-kernel knob is given
+    monkeypatch.setattr(pa, "_prefill_scheme", lambda heads, nch, prec, cuda, plain: "halves" if plain else "fused")
+    monkeypatch.setattr(pa.pw, "supported", lambda *a: True)
+    prefill_attention(*args)
+    assert calls == ["wide"]
+    prefill_attention(*args, scheme="halves")
+    prefill_attention(*args, block_h=16)       # a fused-kernel knob: the fused kernel, as asked
+    assert calls == ["wide"]
+    monkeypatch.setattr(pa.pw, "supported", lambda *a: False)
+    prefill_attention(*args)
+    assert calls == ["wide"]
