@@ -222,7 +222,8 @@ def main() -> int:
                 with contextlib.ExitStack() as es:
                     es.enter_context(_patched(pw, "supported", lambda *a: True))
                     es.enter_context(_patched(pw, "sm_count", lambda dev: 132))
-                    for label, kw in (("", {}), (" rope bf16-out", fin)):
+                    qn = {**fin, "q_norm": 1e-6}
+                    for label, kw in (("", {}), (" rope bf16-out", fin), (" q_norm rope bf16-out", qn)):
                         report(f"prefill wide {kind}{label}", pw, "_prefill_wide_kernel",
                                lambda pargs=pargs, kw=kw: pa.prefill_attention(*pargs, scheme="wide", **kw))
             if "attention" not in which:

@@ -144,6 +144,41 @@ def test_prefill_attention_inverse_rope_bf16(scheme):
     assert max_rel(out.float()[..., -64:], plain[..., -64:]) > 0.1
 
 
+def raw_queries(q: torch.Tensor, seed: int, extra: int = 96) -> torch.Tensor:
+    """q [T, H, D] as the layer's raw up-projection: bf16, per-row magnitudes 2^-8 .. 2^14 (some rows
+    past fp16's range, so a kernel must normalise before it rounds to fp16), a column view of a wider
+    buffer (CSA's q_b columns beside the indexer's)."""
+    t, h, d = q.shape
+    g = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.randint(-8, 15, (t, h, 1), generator=g).float()
+    wide = torch.randn(t, h * d + extra, generator=g).to(q.device, torch.bfloat16)
+    wide[:, :h * d] = (q.float().cpu() * scale).reshape(t, h * d).to(q.device, torch.bfloat16)
+    return wide[:, :h * d].view(t, h, d)
+
+
+@pytest.mark.parametrize("scheme", ["halves", "fused"])
+def test_prefill_attention_q_norm(scheme):
+    """q_norm: raw queries (a strided bf16 view, rows far outside fp16's range) normalised and rotated
+    by the op: the reference's q_norm is its norm_rope first, bit for bit, and the kernels match it.
+    Then the kernels' own form: equal to the same call on norm_rope's bf16 queries."""
+    from dsv4.kernels.reference.norm_rope import norm_rope as ref_norm_rope
+    from dsv4.kernels.triton.norm_rope import norm_rope
+    args = list(prefill_args("tiny", "fp8_ds", HCA, 8, TINY_STEPS))
+    args[0] = raw_queries(args[0], 11)
+    fin = finish_args(args[0].shape[0], 5)
+    want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32, q_norm=1e-6)
+    normed = ref_norm_rope(args[0], None, 1e-6, *fin["rope"], out_dtype=torch.float32)
+    assert torch.equal(want, ref_prefill_attention(normed, *args[1:], rope=fin["rope"], out_dtype=torch.float32))
+    out = prefill_attention(*args, scheme=scheme, **fin, q_norm=1e-6)
+    close(out.float(), want, tol("fp8_ds"))
+    q_bf16 = norm_rope(args[0], None, 1e-6, *fin["rope"], out_dtype=torch.bfloat16)
+    assert torch.equal(out, prefill_attention(q_bf16, *args[1:], scheme=scheme, **fin))
+    with pytest.raises(InputError, match="q_norm rotates q"):
+        prefill_attention(*args, q_norm=1e-6)
+    with pytest.raises(InputError, match="q_norm rotates q"):
+        ref_prefill_attention(*args, q_norm=1e-6)
+
+
 @pytest.mark.parametrize("scheme", ["halves", "fused"])
 @pytest.mark.parametrize("layer,kv_format", [(CSA, "fp8_ds"), (HCA, "fp8_ds")], ids=["csa", "hca"])
 def test_prefill_attention_real_dims(layer, kv_format, scheme):
@@ -225,6 +260,12 @@ def test_prefill_attention_wide(layer):
     out = prefill_attention(*args, scheme="wide", **fin)
     assert out.dtype == torch.bfloat16
     close(out.float(), want, TOL["bf16"])
+    # raw queries normalised and rotated in the kernel (rows past fp16's range; a strided view)
+    args[0] = raw_queries(args[0], 13 + layer)
+    want = ref_prefill_attention(*args, rope=fin["rope"], out_dtype=torch.float32, q_norm=1e-6)
+    out = prefill_attention(*args, scheme="wide", **fin, q_norm=1e-6)
+    close(out.float(), want, TOL["bf16"])
+    assert torch.equal(prefill_attention(*args, **fin, q_norm=1e-6), out)     # the default here
 
 
 def test_prefill_attention_default_picks_wide_where_it_runs(monkeypatch):

@@ -191,12 +191,10 @@ class AttentionSubBlock(nn.Module):
             proj = self.project(x, ops)
             cos, sin = ops.rope_cos_sin(self.rope.inv_freq_on(x.device), batch.positions)
             q_up = self.query_up(self.q_residual(proj, ops), ops)
-            # Triton's dots take q as bf16 for bf16-exact formats (as the decode path)
-            bf16_q = ops.name == "triton" and cache.schema.kv_format.name != "fp32"
-            q = self.queries(q_up, cos, sin, ops, out_dtype=torch.bfloat16 if bf16_q else torch.float32)
-            # the inverse RoPE and the output dtype are applied by the attention op
-            o = self._attend_general(proj, q, q_up, self.window_kv(proj, cos, sin, ops), cos, sin, batch, cache, ops,
-                                     x.dtype)
+            # the attention op normalises and rotates the raw queries (`queries`: where its kernel
+            # loads them, or by norm_rope first) and applies the inverse RoPE and the output dtype
+            o = self._attend_general(proj, self.query_heads(q_up), q_up, self.window_kv(proj, cos, sin, ops), cos,
+                                     sin, batch, cache, ops, x.dtype)
         return grouped_output(o, self.o_a_proj, self.o_b_proj, cfg.o_groups, ops)
 
     def output_weights(self) -> list[torch.Tensor]:
@@ -248,7 +246,8 @@ class AttentionSubBlock(nn.Module):
     def _attend_general(self, proj: dict[str, torch.Tensor], q: torch.Tensor, q_up: dict[str, torch.Tensor],
                         kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                         cache: LayerCacheHandle, ops, out_dtype: torch.dtype) -> torch.Tensor:
-        """Any mix of prefill chunks and decode tokens -> [T, H, D] out_dtype, after the inverse RoPE.
+        """Any mix of prefill chunks and decode tokens -> [T, H, D] out_dtype, after the inverse RoPE;
+        q: the raw queries (`query_heads`), normalised and rotated by the attention op.
 
         Cache writes, gathers, compression, the indexer selection and the attention itself
         (`prefill_attention`: each token over its window and its selected / visible entries) use
@@ -273,7 +272,8 @@ class AttentionSubBlock(nn.Module):
         return ops.prefill_attention(q, win_kv, win_pos, new_kv, batch.positions, batch.token_request,
                                      batch.cu_seqlens, cfg.sliding_window, pool.kv if pool is not None else None, fmt,
                                      batch.block_table, cache.schema.entries_per_block, selected, ratio, max_entries,
-                                     self.sinks, cfg.head_dim ** -0.5, rope=(cos, sin), out_dtype=out_dtype)
+                                     self.sinks, cfg.head_dim ** -0.5, rope=(cos, sin), out_dtype=out_dtype,
+                                     q_norm=cfg.rms_norm_eps)
 
     def _ops(self, cache: LayerCacheHandle):
         return cache.ops if self.backend is None else ops_for(cache.state.device, self.backend)

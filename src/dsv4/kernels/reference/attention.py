@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import EntryFormat
+from dsv4.errors import InputError
 from dsv4.kernels.reference.cache_ops import gather_all_entries
 from dsv4.kernels.reference.norm_rope import norm_rope
 
@@ -46,7 +47,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       kv_views: dict[str, torch.Tensor] | None, kv_fmt: EntryFormat, block_table: torch.Tensor | None,
                       epb: int, indices: torch.Tensor | None, ratio: int, max_entries: int, sinks: torch.Tensor,
                       scale: float, *, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
     """Attention of every new token of a batch (packed in request order) over its window and entries.
 
     Keys of the token at position t of request b: the window positions t - W < p <= t, from the
@@ -63,9 +64,15 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         rope: (cos, sin) [T, r/2] of the tokens' positions: the output is then RoPE_{-t}(o), the
             layer's inverse rotation (`norm_rope(..., normalize=False, inverse=True)`).
         out_dtype: the output's dtype (default fp32).
+        q_norm: q is the raw up-projection; the attention takes RoPE_t(RMSNorm_1(q)) with eps q_norm
+            and rope's cos / sin (the layer's `queries`), so a kernel may normalise q where it loads it.
     Returns:
         [T, H, D] out_dtype.
     """
+    if q_norm is not None:
+        if rope is None:
+            raise InputError("q_norm rotates q: it needs rope=(cos, sin) of the tokens' positions")
+        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.float32)
     dev = q.device
     out = torch.empty_like(q, dtype=torch.float32)
     cu = cu_seqlens.tolist()

@@ -40,6 +40,7 @@ from dsv4.kernels.triton.decode_attention import (
     with_sink,
 )
 from dsv4.kernels.triton.decode_common import LOG2E, Views, note_compile, precision_id, rows, split_operand
+from dsv4.kernels.triton.norm_rope import norm_rope
 from dsv4.kernels.triton.prefill_attention_halves import prefill_halves_tiles, prefill_value_halves, window_rows
 
 try:        # Gluon (Triton 3.6+): the wide scheme
@@ -98,7 +99,7 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                       block_n: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, scheme: str | None = None,
                       rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, q_norm: float | None = None) -> torch.Tensor:
     """Attention of every new token of a batch over its window and entries (see the reference).
 
     Args: as `reference.attention.prefill_attention` (max_entries is not needed here: every bound
@@ -108,7 +109,10 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         scheme: "fused" (the kernel above) or "halves" (`prefill_attention_halves`); default: see
             `_prefill_scheme`;
         rope: (cos, sin) [T, r/2]: return RoPE_{-t}(o) (in the halves kernel's epilogue; by
-            `norm_rope` after the fused kernel); out_dtype: the output's dtype (default fp32).
+            `norm_rope` after the fused kernel); out_dtype: the output's dtype (default fp32);
+        q_norm: q is the raw up-projection (any token stride), taken as RoPE_t(RMSNorm_1(q)) with this
+            eps and rope's cos / sin: normalised where the wide kernel loads it, else by `norm_rope`
+            first (rounded to bf16 for bf16 operands, as the layer's queries were).
     Returns:
         [T, H, D] out_dtype.
     """
@@ -129,6 +133,8 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
                              or 2 * rope[0].shape[-1] > kv_fmt.rope_dim):
         raise InputError(f"rope: cos, sin [T, <= {kv_fmt.rope_dim // 2}] expected; got {list(rope[0].shape)}, "
                          f"{list(rope[1].shape)}")
+    if q_norm is not None and rope is None:
+        raise InputError("q_norm rotates q: it needs rope=(cos, sin) of the tokens' positions")
     cuda = q.device.type == "cuda"
     prec = precision_id(precision, "ieee" if kv_fmt.name == "fp32" else "bf16")
     nch = triton.next_power_of_2(triton.cdiv(dim, 64))
@@ -143,7 +149,8 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
     row_dtype = torch.float32 if kv_fmt.name == "fp32" else torch.bfloat16    # exact for fp8_ds / bf16 rows
     old_kv, new_kv = old_kv.to(row_dtype).contiguous(), new_kv.to(row_dtype).contiguous()
     old_pos = old_pos.contiguous()
-    q = q.contiguous() if halves else q.float().contiguous()    # the halves kernel rounds q to bf16 itself
+    if q.stride(2) != 1 or q.stride(1) != dim:      # a token's queries in one run (any token stride)
+        q = q.contiguous()
     if mode:
         ct = kv_fmt.typed(kv_views)
         ckv = ct["nope"] if kv_fmt.name == "fp8_ds" else ct["kv"]
@@ -171,7 +178,11 @@ def prefill_attention(q: torch.Tensor, old_kv: torch.Tensor, old_pos: torch.Tens
         if pw is None or not pw.supported(q, old_kv, new_kv, (ckv, crope, csc), dim, nope, kv_fmt.name):
             raise InputError("the wide scheme takes fp8_ds entries of 448 + 64 channels (16-byte aligned rows) and "
                              "64 heads on an sm_90 GPU, with Triton 3.6 or later")
-        return pw.prefill_wide(q, sinks, rope, out_dtype, sources, geometry, dim=dim, nope=nope, mode=mode)
+        return pw.prefill_wide(q, sinks, rope, out_dtype, sources, geometry, dim=dim, nope=nope, mode=mode,
+                               q_norm=q_norm)
+    if q_norm is not None:
+        q = norm_rope(q, None, q_norm, *rope, out_dtype=torch.bfloat16 if prec == 1 else torch.float32)
+    q = q.contiguous() if halves else q.float().contiguous()    # the halves kernel rounds q to bf16 itself
     out = torch.empty(t_all, heads, dim, dtype=(out_dtype or torch.float32) if halves else torch.float32,
                       device=q.device)
     if halves:

@@ -211,10 +211,56 @@ def _values(q_ptr, s_qt, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, 
 
 
 @gluon.jit
+def _squares(x):
+    """x^2 in fp32 of bf16 x, by its own instructions: a conversion shared with the scaling below
+    would keep every fp32 channel of the 64 rows live between the two (sm_90: 856 bytes of spills)."""
+    return gl.inline_asm_elementwise("{ cvt.f32.bf16 $0, $1; mul.f32 $0, $0, $0; }", "=f,h", [x],
+                                     dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _store_normed_q(q_s, inv_s, q0, q1, cos_ptr, sin_ptr, i, eps, D: gl.constexpr, HALF_R: gl.constexpr,
+                    Q_L: gl.constexpr):
+    """RoPE_t(RMSNorm_1(q)) of token i's raw queries (halves q0, q1 [H, D / 2], bf16, in Q_L) into
+    q_s as fp16: `norm_rope`'s math (fp32; the row times 1 / sqrt(mean(q^2) + eps), then the
+    interleaved pairs of the trailing 2 HALF_R channels rotated), rounded once, to fp16. A normalised
+    row has no channel above sqrt(D) in magnitude, so fp16 holds it; the raw row need not fit.
+
+    The rows' sums come from the registers; the raw rows wait in q_s as bf16 and are scaled, rotated
+    and rounded in place 16 rows at a time, each thread on the channels it stored (Q_L over 16 rows
+    is Q_L over 64 rows' first quarter): no barrier between. Scaling all 64 rows in registers spilled
+    (sm_90: ~240 spill stores). inv_s [H] fp32: the rows' factors on their way to the passes."""
+    H: gl.constexpr = q0.shape[0]
+    W: gl.constexpr = q0.shape[1]
+    ss = gl.sum(_squares(q0), axis=1) + gl.sum(_squares(q1), axis=1)
+    raw = q_s._reinterpret(gl.bfloat16, [H, D], q_s.layout)
+    raw.slice(0, W, dim=1).store(q0)
+    raw.slice(W, W, dim=1).store(q1)
+    inv_s.store(1.0 / gl.sqrt(ss / D + eps))
+    dw._barrier()                                               # the factors, from the rows' other lanes
+    PR_L: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])     # Q_L's pairs
+    jp = gl.arange(0, W // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, PR_L))) - (W // 2 - HALF_R)
+    rot = jp >= 0
+    cs = gl.expand_dims(gl.load(cos_ptr + i * HALF_R + jp, mask=rot, other=1.0), 0)
+    sn = gl.expand_dims(gl.load(sin_ptr + i * HALF_R + jp, mask=rot, other=0.0), 0)
+    R: gl.constexpr = 16                                        # rows a pass: Q_L's rows
+    for r0 in gl.static_range(0, H, R):
+        inv = gl.expand_dims(inv_s.slice(r0, R).load(gl.SliceLayout(1, Q_L)), 1)
+        lo = raw.slice(r0, R, dim=0).slice(0, W, dim=1)
+        x = lo.load(Q_L).to(gl.float32) * inv
+        q_s.slice(r0, R, dim=0).slice(0, W, dim=1).store(x.to(gl.float16))
+        hi = raw.slice(r0, R, dim=0).slice(W, W, dim=1)
+        x = hi.load(Q_L).to(gl.float32) * inv
+        ev, od = gl.split(gl.convert_layout(gl.reshape(x, [R, W // 2, 2]), PR_L))
+        x = gl.convert_layout(gl.reshape(gl.join(ev * cs - od * sn, od * cs + ev * sn), [R, W]), Q_L)
+        q_s.slice(r0, R, dim=0).slice(W, W, dim=1).store(x.to(gl.float16))
+
+
+@gluon.jit
 def _scores(q_ptr, s_qt, s_qh, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, bias_s, l_s,
             m_s, k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all, n_idx, ratio,
-            qk_scale, D: gl.constexpr, H: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr,
-            HALF_R: gl.constexpr, ROPE: gl.constexpr):
+            qk_scale, q_eps, D: gl.constexpr, H: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr,
+            HALF_R: gl.constexpr, ROPE: gl.constexpr, QNORM: gl.constexpr):
     Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -230,8 +276,11 @@ def _scores(q_ptr, s_qt, s_qh, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr,
         q0 = gl.load(qrow)
         q1 = gl.load(qrow + D // 2)
         mbarrier.wait(q_free.index(0), (k & 1) ^ 1)     # the values warpgroup is done with the last stage
-        q_s.slice(0, D // 2, dim=1).store(q0.to(gl.float16))
-        q_s.slice(D // 2, D // 2, dim=1).store(q1.to(gl.float16))
+        if QNORM:
+            _store_normed_q(q_s, m_s, q0, q1, cos_ptr, sin_ptr, i, q_eps, D, HALF_R, Q_L)
+        else:
+            q_s.slice(0, D // 2, dim=1).store(q0.to(gl.float16))
+            q_s.slice(D // 2, D // 2, dim=1).store(q1.to(gl.float16))
         fence_async_shared()
         dw._barrier()
         m_i = gl.full([H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -257,11 +306,13 @@ def _prefill_wide_kernel(
         ckv_ptr, crope_ptr, csc_ptr, bt_ptr, idx_ptr,
         s_qt, s_qh, s_ot, s_oh, s_ob, s_or, s_opb, s_nt,
         s_ckp, s_ckr, s_crp, s_crr, s_csp, s_csr, s_bt, s_idx,
-        window, ring, epb, max_blocks, n_idx, ratio, qk_scale, t_all,
+        window, ring, epb, max_blocks, n_idx, ratio, qk_scale, t_all, q_eps,
         H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, MODE: gl.constexpr, WINDOW: gl.constexpr,
-        HALF_R: gl.constexpr, ROPE: gl.constexpr, VALUE_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        HALF_R: gl.constexpr, ROPE: gl.constexpr, QNORM: gl.constexpr, VALUE_REGS: gl.constexpr,
+        LOADER_REGS: gl.constexpr):
     """Persistent: program j takes tokens j, j + G, ... (G programs) -> out[i] (finished, out's dtype).
-    MODE 0 SWA, 1 CSA (indices [T, K]), 2 HCA. `window` equals WINDOW (the other prefill kernels' argument)."""
+    MODE 0 SWA, 1 CSA (indices [T, K]), 2 HCA. `window` equals WINDOW (the other prefill kernels' argument).
+    QNORM: q is the raw up-projection, normalised (eps q_eps) and rotated here as it is loaded."""
     (q_s, k_s, p_s, a_s, bias_s, raw_s, l_s, k_ready, k_free, p_ready, p_free, l_ready) = dw._buffers(H, D)
     m_s = gl.allocate_shared_memory(gl.float32, [H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -269,7 +320,7 @@ def _prefill_wide_kernel(
     gl.warp_specialize([
         (_scores, (q_ptr, s_qt, s_qh, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, bias_s,
                    l_s, m_s, k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all,
-                   n_idx, ratio, qk_scale, D, H, MODE, WINDOW, HALF_R, ROPE)),
+                   n_idx, ratio, qk_scale, q_eps, D, H, MODE, WINDOW, HALF_R, ROPE, QNORM)),
         (_values, (q_ptr, s_qt, out_ptr, s_ot, s_oh, sinks_ptr, cos_ptr, sin_ptr, q_s, k_s, p_s, a_s, l_s, m_s,
                    k_ready, k_free, p_ready, p_free, l_ready, q_free, treq_ptr, pos_ptr, cu_ptr, t_all, n_idx, ratio,
                    D, H, MODE, WINDOW, HALF_R, ROPE, H * D * q_ptr.dtype.element_ty.primitive_bitwidth // 8)),
@@ -285,24 +336,30 @@ def supported(q: torch.Tensor, old_kv: torch.Tensor, new_kv: torch.Tensor, entri
     entries (`decode_attention_wide.supported`), and bf16 window rows on 16-byte boundaries."""
     if not dw.supported(q, (*entries, *entries), dim, nope, fmt_name):
         return False
+    # a token's queries: one run of H D values on 16-byte boundaries (its loads and its L2 prefetch)
+    if q.stride(2) != 1 or q.stride(1) != dim or q.data_ptr() % 16 or q.stride(0) * q.element_size() % 16:
+        return False
     return all(x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
                and all(s * 2 % 16 == 0 for s in x.stride()[:-1]) for x in (old_kv, new_kv))
 
 
 def prefill_wide(q: torch.Tensor, sinks: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                  out_dtype: torch.dtype | None, sources: tuple, geometry: tuple, *, dim: int, nope: int,
-                 mode: int) -> torch.Tensor:
+                 mode: int, q_norm: float | None = None) -> torch.Tensor:
     """Launch the wide kernel -> out [T, H, D] (out_dtype, default fp32), the finished attention output,
     RoPE_{-t} applied where rope = (cos, sin) [T, r/2] is given. sources, geometry: as
-    `prefill_attention` passes them to its other kernels; q [T, H, D] bf16 or fp32."""
+    `prefill_attention` passes them to its other kernels; q [T, H, D] bf16 or fp32 (`supported`'s
+    strides); q_norm: q is the raw up-projection, taken as RoPE_t(RMSNorm_1(q)) with this eps."""
     t_all, heads, _ = q.shape
+    assert q_norm is None or (rope is not None and 4 * rope[0].shape[-1] <= dim), "q_norm rotates the second half"
     out = torch.empty(t_all, heads, dim, dtype=out_dtype or torch.float32, device=q.device)
     cos, sin = (x.float().contiguous() for x in rope) if rope is not None else (out, out)
     window = geometry[-7]
     _prefill_wide_kernel[(min(t_all, sm_count(q.device)),)](
         q, out, sinks, cos, sin, *sources, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *geometry, t_all,
-        H=heads, D=dim, NOPE=nope, MODE=mode, WINDOW=window, HALF_R=rope[0].shape[-1] if rope is not None else 0,
-        ROPE=rope is not None, VALUE_REGS=dw.REGS[0], LOADER_REGS=dw.REGS[1], num_warps=4, maxnreg=dw.MAXNREG)
+        q_norm or 0.0, H=heads, D=dim, NOPE=nope, MODE=mode, WINDOW=window,
+        HALF_R=rope[0].shape[-1] if rope is not None else 0, ROPE=rope is not None, QNORM=q_norm is not None,
+        VALUE_REGS=dw.REGS[0], LOADER_REGS=dw.REGS[1], num_warps=4, maxnreg=dw.MAXNREG)
     return out
 
 
