@@ -252,6 +252,46 @@ def test_write_entries_accepts_strided_and_bf16_rows(device: str):
         _assert_bytes_equal(a, b, f"{rows.dtype} stride {rows.stride()}")
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal values and dtypes, NaN where NaN (the bf16 NaN pattern is torch's conversion path's)."""
+    assert a.dtype == b.dtype, what
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", MAIN, ids=_fid)
+def test_roundtrip_rows_matches_reference(fmt: EntryFormat, device: str):
+    """What the cache's readers see of rows (the prefill layer's window rows): the reference's
+    decode(encode(x)), value for value, from fp32, bf16 and strided rows, in fp32 and (where exact) bf16;
+    rows across the kernel's 16-row blocks (37), the e4m3 ties and nonfinite values of the writes."""
+    x = _rows(37, fmt, device)
+    if fmt.name == "fp8_ds" and fmt.dim == 128:
+        ties = _tile_rows(_e4m3_ties(), 64, 448.0)
+        x = torch.cat([x, torch.cat([ties, torch.randn(ties.shape[0], 64)], 1).to(device)])
+    wide = torch.cat([torch.randn(x.shape[0], 8, device=device), x], 1)
+    for rows in (x, x.bfloat16(), wide[:, 8:]):
+        for dt in (None, torch.bfloat16) if fmt.name != "fp32" else (None,):
+            want = ref.roundtrip_rows(rows, fmt, dt)
+            got = tri.roundtrip_rows(rows, fmt, dt)
+            _same_values(got, want, f"{rows.dtype} {rows.stride()} -> {dt}")
+            assert got.data_ptr() != rows.data_ptr()
+    if fmt.name == "fp8_ds":                        # the rows did change: the round trip is not the identity
+        assert not torch.equal(torch.nan_to_num(tri.roundtrip_rows(x, fmt)), torch.nan_to_num(x))
+
+
+def test_roundtrip_rows_errors():
+    x = torch.randn(3, 128)
+    for impl in (ref, tri):
+        with pytest.raises(FormatError, match="fp32 rows round-trip exactly to fp32, not"):
+            impl.roundtrip_rows(x, main_format("fp32", 128, 64), torch.bfloat16)
+        with pytest.raises(FormatError, match="main-entry formats"):
+            impl.roundtrip_rows(x, indexer_format("mxfp4", 128))
+        with pytest.raises(FormatError, match="or bf16, not"):
+            impl.roundtrip_rows(x, main_format("fp8_ds", 128, 64), torch.float16)
+    with pytest.raises(FormatError, match="128 channels"):
+        tri.roundtrip_rows(torch.randn(3, 64), main_format("fp8_ds", 128, 64))
+
+
 def test_write_entries_rejects_wrong_width():
     fmt = main_format("fp8_ds", 128, 64)
     pages = _pages(fmt, 2, 4, "cpu")

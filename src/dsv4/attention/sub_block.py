@@ -259,7 +259,8 @@ class AttentionSubBlock(nn.Module):
         win_kv, win_pos, _ = cache.gather_swa_kv()
         cache.write_swa(kv)
         fmt = cache.schema.kv_format
-        new_kv = fmt.roundtrip(kv.float())
+        # what the ring's readers see of this step's rows (bf16 holds fp8_ds and bf16 rows exactly)
+        new_kv = ops.roundtrip_rows(kv, fmt, None if fmt.name == "fp32" else torch.bfloat16)
 
         selected = None
         ratio = max_entries = 0

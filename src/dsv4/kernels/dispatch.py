@@ -1,7 +1,7 @@
 """Choose the implementation of the cache ops: the PyTorch reference or the Triton kernels.
 
 Both namespaces export the same functions with the same signatures:
-append_window, write_entries, gather_window, gather_entries, gather_all_entries,
+append_window, write_entries, roundtrip_rows, gather_window, gather_entries, gather_all_entries,
 compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, decode_indexer_topk,
 prefill_indexer_topk, norm_rope,
 rope_cos_sin, decode_attention, prefill_attention, linear, linear_fp8 and linear_pair (the layer's
@@ -25,6 +25,7 @@ def _reference() -> types.SimpleNamespace:
     from dsv4.kernels.reference import attention, cache_ops, compress, decode, indexer, linear, norm_rope
     return types.SimpleNamespace(
         name="reference", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
+        roundtrip_rows=cache_ops.roundtrip_rows,
         compress_update=compress.compress_update, gather_window=cache_ops.gather_window,
         gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import EntryFormat
+from dsv4.errors import FormatError
 from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
 
 Views = dict[str, torch.Tensor]
@@ -35,6 +36,24 @@ def read_rows(views: Views, fmt: EntryFormat, pages: torch.Tensor, slots: torch.
 
 
 # ---------------------------------------------------------------------- window ring
+def roundtrip_rows(x: torch.Tensor, fmt: EntryFormat, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """decode(encode(x)) of rows x [N, D] (any float dtype) in main-entry format fmt: what a reader of
+    the cache sees of them (`EntryFormat.roundtrip`), in out_dtype (default fp32; bf16 holds fp8_ds
+    and bf16 rows exactly, so it is refused only for fp32 rows)."""
+    return fmt.roundtrip(x.float()).to(roundtrip_dtype(fmt, out_dtype))
+
+
+def roundtrip_dtype(fmt: EntryFormat, out_dtype: torch.dtype | None) -> torch.dtype:
+    """`roundtrip_rows`' output dtype, checked: fp32 (the default), or bf16 for fp8_ds / bf16 rows."""
+    out_dtype = out_dtype or torch.float32
+    if fmt.name not in ("fp8_ds", "bf16", "fp32"):
+        raise FormatError(f"roundtrip_rows reads main-entry formats, not {fmt.name!r}")
+    if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype == torch.bfloat16 and fmt.name == "fp32"):
+        raise FormatError(f"{fmt.name} rows round-trip exactly to fp32{'' if fmt.name == 'fp32' else ' or bf16'}, "
+                          f"not {out_dtype}")
+    return out_dtype
+
+
 def append_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, swa_head: torch.Tensor, kv: torch.Tensor,
                   positions: torch.Tensor, token_request: torch.Tensor, request_slots: torch.Tensor,
                   seq_lens: torch.Tensor) -> None:

@@ -26,9 +26,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import FormatError
+from dsv4.kernels.reference.cache_ops import roundtrip_dtype
 from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.triton.decode_common import pdl, pdl_launch
-from dsv4.kernels.triton.encode import FORMAT_ID, _encode_row
+from dsv4.kernels.triton.encode import FORMAT_ID, _encode_row, round_bf16, round_fp8_ds_tiles
 from dsv4.kernels.triton.hadamard import fwht_constants
 
 Views = dict[str, torch.Tensor]
@@ -300,6 +301,45 @@ def _region_args(views: Views, fmt: EntryFormat, n: int) -> list:
 def _check_rows(fmt: EntryFormat, rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.shape[-1] != fmt.dim:
         raise FormatError(f"{fmt.name} entries have {fmt.dim} channels, got rows of shape {list(rows.shape)}")
+
+
+@triton.jit
+def _roundtrip_kernel(x_ptr, x_s0, out_ptr, n, FP8_DS: tl.constexpr, NOPE: tl.constexpr, REST: tl.constexpr,
+                      REST_P2: tl.constexpr, R: tl.constexpr):
+    """Rows r0 .. r0 + R - 1: FP8_DS, NOPE e4m3 channels a 64-channel tile at a time, then REST bf16
+    ones (the rope); else all REST channels bf16."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    rm = rows[:, None] < n
+    src = x_ptr + rows.to(tl.int64)[:, None] * x_s0
+    dst = out_ptr + rows.to(tl.int64)[:, None] * (NOPE + REST)
+    if FP8_DS:
+        j = tl.arange(0, 64)[None, :]
+        for t in tl.static_range(NOPE // 64):
+            x = tl.load(src + t * 64 + j, mask=rm, other=0.0).to(tl.float32)
+            tl.store(dst + t * 64 + j, round_fp8_ds_tiles(x).to(out_ptr.dtype.element_ty), mask=rm)
+    k = tl.arange(0, REST_P2)[None, :]
+    km = rm & (k < REST)
+    x = tl.load(src + NOPE + k, mask=km, other=0.0).to(tl.float32)
+    tl.store(dst + NOPE + k, round_bf16(x).to(out_ptr.dtype.element_ty), mask=km)
+
+
+def roundtrip_rows(x: torch.Tensor, fmt: EntryFormat, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Same contract as the reference `roundtrip_rows`: one kernel where the format's torch encode
+    and decode take ~20 (an 8K prefill chunk's window rows)."""
+    _check_rows(fmt, x)
+    out_dtype = roundtrip_dtype(fmt, out_dtype)
+    if fmt.name == "fp32":
+        return x.to(torch.float32, copy=True)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    nope = fmt.dim - fmt.rope_dim if fmt.name == "fp8_ds" else 0
+    rows = 16
+    if x.shape[0]:
+        _roundtrip_kernel[(triton.cdiv(x.shape[0], rows),)](
+            x, x.stride(0), out, x.shape[0], FP8_DS=fmt.name == "fp8_ds", NOPE=nope, REST=fmt.dim - nope,
+            REST_P2=_p2(fmt.dim - nope), R=rows, num_warps=4)
+    return out
 
 
 def append_window(swa: Views, fmt: EntryFormat, swa_pos: torch.Tensor, swa_head: torch.Tensor, kv: torch.Tensor,

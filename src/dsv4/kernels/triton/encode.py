@@ -132,6 +132,14 @@ def round_bf16(x):
 
 
 @triton.jit
+def round_fp8_ds_tiles(x):
+    """x [R, 64] fp32, one fp8_ds scale tile a row -> decode(encode(x)): `_encode_fp8_ds`'s scale and
+    e4m3 codes, decoded (exact products)."""
+    e = _ceil_log2_ratio(tl.maximum(tl.max(_finite_abs(x), axis=1), 1e-4), 9, 0x600000)[:, None]
+    return _e4m3_signed_value(_e4m3_bits(_no_nan(x) * _pow2(-e))) * _pow2(e)
+
+
+@triton.jit
 def round_rows(x, FMT: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
     """x [R, D] fp32 -> each row's decode(encode(row)) in indexer-key format FMT (FORMAT_ID: 1 bf16,
     3 mxfp4, 4 fp8, 5 nvfp4), bit for bit `quant.round_query`: the row encoders' arithmetic."""

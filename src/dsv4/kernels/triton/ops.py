@@ -24,6 +24,7 @@ from dsv4.kernels.triton import (
 def namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name="triton", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
+        roundtrip_rows=cache_ops.roundtrip_rows,
         compress_update=compress.compress_update, gather_window=gather.gather_window,
         gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
         compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
