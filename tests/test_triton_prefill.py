@@ -233,6 +233,11 @@ def test_prefill_indexer_topk_matches_reference(device, ifmt, tokens, slice_rows
     assert torch.equal(a < 0, b < 0)                     # visibility: the same number of picks per token
     same = (a.sort(1).values == b.sort(1).values).all(1)
     assert same.float().mean() >= 0.97, same.float().mean()
+    if ifmt == "mxfp4":     # the layer hands mxfp4-rounded queries over as bf16 (exact): the same picks
+        q16 = q.bfloat16()
+        assert torch.equal(q16.float(), q)
+        assert torch.equal(tri_indexer.prefill_indexer_topk(q16, *args[1:], tokens=tokens), b)
+        assert torch.equal(ref_indexer.prefill_indexer_topk(q16, *args[1:]), a)
 
 
 # ====================================================================== grouped prefill scan

@@ -38,13 +38,13 @@ class Indexer(Compressor):
         self.scorer = _Scorer(cfg.hidden_size, cfg.index_n_heads)
 
     def queries(self, iq: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fmt: EntryFormat,
-                ops: types.SimpleNamespace) -> torch.Tensor:
-        """Queries [T, H_I, D_I] fp32 in the keys' stored basis from iq = q_b_proj(q_res) [T, H_I*D_I]
-        (the layer computes it with its own q_b_proj in one GEMM); cos/sin [T, r/2] of the tokens."""
+                ops: types.SimpleNamespace, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Queries [T, H_I, D_I] (fp32 unless asked) in the keys' stored basis from iq = q_b_proj(q_res)
+        [T, H_I*D_I] (the layer computes it with its own q_b_proj in one GEMM); cos/sin [T, r/2] of the tokens."""
         q = iq.view(iq.shape[0], self.heads, self.dim)
         # the stored basis (Hadamard-rotated E2M1 / fp8 keys), then rounded as the keys are (DeepSeek-V4
         # scores FP4 queries against FP4 keys), in the same kernel as the rotation
-        return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=torch.float32, hadamard=fmt.hadamard,
+        return ops.norm_rope(q, None, 0.0, cos, sin, normalize=False, out_dtype=out_dtype, hadamard=fmt.hadamard,
                              round_to=fmt.name)
 
     @property
@@ -67,7 +67,9 @@ class Indexer(Compressor):
             [T, index_topk] int64 entry indices, -1 = nothing selected.
         """
         b, pool, sch = cache.batch, cache.paged, cache.schema
-        q, g = self.queries(iq, cos, sin, sch.indexer_format, ops), self.weights(w)
+        # queries rounded to mxfp4 (E2M1 times a power of two) are bf16-exact: half the bytes the scan reads
+        q_dtype = torch.bfloat16 if sch.indexer_format.name == "mxfp4" else torch.float32
+        q, g = self.queries(iq, cos, sin, sch.indexer_format, ops, q_dtype), self.weights(w)
         n_entries = tuple(s // self.ratio for s in b.seq_lens_host)
         return ops.prefill_indexer_topk(q, g, pool.indexer, sch.indexer_format, b.block_table, b.token_request,
                                         b.positions, b.query_lens_host, n_entries, self.ratio, self.topk,

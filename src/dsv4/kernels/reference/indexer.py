@@ -54,7 +54,7 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
     """Indexer selection for any batch (prefill chunks and decode tokens), keys read from the pool.
 
     Args:
-        q: [T, H, D_I] fp32 in the keys' stored basis; weights: [T, H] fp32.
+        q: [T, H, D_I] fp32 (or bf16, computed in fp32) in the keys' stored basis; weights: [T, H] fp32.
         idx_views: the indexer pool's region views; block_table: [B, max_blocks]; token_request,
             positions: [T]; query_lens / num_entries: host ints per request (entries finished
             after this step's flush).
@@ -63,4 +63,4 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
     """
     n_max = max(num_entries, default=0)
     keys, _ = gather_all_entries(idx_views, fmt, torch.tensor(num_entries, device=q.device), n_max, block_table, epb)
-    return indexer_topk(q, weights, keys, positions, query_lens, num_entries, ratio, topk)
+    return indexer_topk(q.float(), weights, keys, positions, query_lens, num_entries, ratio, topk)

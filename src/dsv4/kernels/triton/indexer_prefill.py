@@ -75,7 +75,7 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     weights = weights.float()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     k = indexer_scan.launch_prefill_scan(
-        (groups.shape[0], min(programs, tiles)), q.float().contiguous(), weights, out, data, scale, glob,
+        (groups.shape[0], min(programs, tiles)), _scan_queries(q), weights, out, data, scale, glob,
         block_table, visible.to(torch.int32), groups, tiles, max_entries, epb, 1.0, fmt_name=fmt.name, prec=prec,
         cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, prefetch=prefetch, num_warps=num_warps,
         num_stages=num_stages)
@@ -83,11 +83,17 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     return out
 
 
+def _scan_queries(q: torch.Tensor) -> torch.Tensor:
+    """q as the grouped scan reads it: bf16 as it comes (queries rounded to mxfp4 are bf16-exact: half
+    the bytes of fp32), else fp32."""
+    return q.contiguous() if q.dtype == torch.bfloat16 else q.float().contiguous()
+
+
 def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
                          block_table: torch.Tensor, token_request: torch.Tensor, positions: torch.Tensor,
                          query_lens: tuple[int, ...], num_entries: tuple[int, ...], ratio: int, topk: int,
                          epb: int, *, tokens: int | None = None) -> torch.Tensor:
-    """Same contract as `dsv4.kernels.reference.indexer.prefill_indexer_topk`. tokens: query tokens
+    """Same contract as `dsv4.kernels.reference.indexer.prefill_indexer_topk` (q fp32 or bf16). tokens: query tokens
     per program of the grouped scan (default `TOKENS`; 0: one row per token, the decode kernel)."""
     from dsv4.kernels.triton.ops import namespace
 
@@ -104,7 +110,7 @@ def prefill_indexer_topk(q: torch.Tensor, weights: torch.Tensor, idx_views: dict
     grouped = tokens > 0 and indexer_scan.scan_supported(
         fmt.name, q.shape[-1], typed["data"], typed.get("scale", typed["data"]),
         precision_id(None, DEFAULT_PRECISION.get(fmt.name, "ieee")))
-    q = q.float().contiguous()
+    q = _scan_queries(q) if grouped else q.float().contiguous()
     rows = max(_MIN_ROWS, _SCORE_BYTES // (4 * n_max))
     for r0 in range(0, q.shape[0], rows):
         r1 = min(r0 + rows, q.shape[0])

@@ -288,7 +288,8 @@ def _group_part(q_ptr, w_ptr, vis_ptr, r0, cnt, s_qb, s_qh, s_wb, max_entries, w
     jmask = (h < H) & (tok < cnt)
     wts = tl.load(w_ptr + (r0 + tok) * s_wb + h, mask=jmask, other=0.0).to(tl.float32) * w_scale
     d = tl.arange(0, D)
-    qt = tl.load(q_ptr + (r0 + tok)[None, :] * s_qb + h[None, :] * s_qh + d[:, None], mask=jmask[None, :], other=0.0)
+    qt = tl.load(q_ptr + (r0 + tok)[None, :] * s_qb + h[None, :] * s_qh + d[:, None], mask=jmask[None, :],
+                 other=0.0).to(tl.float32)                                  # fp32 or bf16 queries
     qt_hi, qt_lo = _query_parts(qt, NATIVE)
     t = FIRST + tl.arange(0, DT)
     n_t = tl.minimum(tl.load(vis_ptr + r0 + t, mask=t < cnt, other=0), max_entries)
