@@ -89,7 +89,8 @@ def compress_and_flush(comp: Compressor, proj: dict[str, torch.Tensor], batch: F
         with on(side):       # independent inputs, state and cache region
             keys, kreq, kidx = comp.indexer.update(proj["ic"], proj["iz"], batch, st.idx_state, ops)
             cache.flush_indexer_keys(keys, kreq, kidx, fin_idx)
-    cache.compress_entries(proj["c"], proj["z"], comp.ratio, comp.overlap, comp.position_bias, fin_main)
+    entries, req, idx = comp.update(proj["c"], proj["z"], batch, st.comp_state, ops)
+    cache.flush_entries(entries, req, idx, fin_main)
     if side is not None:
         main.wait_stream(side)
 

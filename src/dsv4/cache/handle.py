@@ -141,17 +141,6 @@ class LayerCacheHandle:
         self.ops.write_entries(pool.kv, sch.kv_format, compressed, entry_request, entry_index, b.block_table,
                                sch.entries_per_block, finish)
 
-    def compress_entries(self, c: torch.Tensor, z: torch.Tensor, ratio: int, overlap: bool,
-                         z_bias: torch.Tensor | None, finish: EntryFinish | None = None) -> None:
-        """The main compressor's step on this batch and the write of the entries it finishes, as one
-        op (`compress_flush`: `compress_update` into this layer's state, then `flush_entries`; the
-        Triton namespace runs HCA's one-request chunks as one kernel), on the current stream."""
-        pool, b, sch = self._paged(), self.batch, self.schema
-        self.ops.compress_flush(c, z, self.state.comp_state, b.request_slots, b.start_positions_host,
-                                b.query_lens_host, ratio, overlap, pool.kv, sch.kv_format, b.block_table,
-                                sch.entries_per_block, z_bias=z_bias, plan=b.compress_plans.get((ratio, overlap)),
-                                finish=finish)
-
     def flush_indexer_keys(self, indexer_keys: torch.Tensor, entry_request: torch.Tensor, entry_index: torch.Tensor,
                            finish: EntryFinish | None = None) -> None:
         """The CSA indexer keys' half of `flush_compression` (its entry rows may come from the

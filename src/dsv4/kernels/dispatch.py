@@ -2,7 +2,7 @@
 
 Both namespaces export the same functions with the same signatures:
 append_window, write_entries, roundtrip_rows, gather_window, gather_entries, gather_all_entries,
-compress_update, compress_flush, compress_decode, paged_indexer_scores, topk_smaller_index, decode_indexer_topk,
+compress_update, compress_decode, paged_indexer_scores, topk_smaller_index, decode_indexer_topk,
 prefill_indexer_topk, norm_rope,
 rope_cos_sin, decode_attention, prefill_attention, linear, linear_fp8 and linear_pair (the layer's
 projections: dense weights, FP8 block weights, one input by both). `auto` picks Triton on CUDA when
@@ -26,8 +26,7 @@ def _reference() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name="reference", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
         roundtrip_rows=cache_ops.roundtrip_rows,
-        compress_update=compress.compress_update, compress_flush=compress.compress_flush,
-        gather_window=cache_ops.gather_window,
+        compress_update=compress.compress_update, gather_window=cache_ops.gather_window,
         gather_entries=cache_ops.gather_entries, gather_all_entries=cache_ops.gather_all_entries,
         compress_decode=decode.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_indexer_topk=decode.decode_indexer_topk,

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.cache.formats import EntryFormat
 from dsv4.kernels.compress_plan import CompressPlan
-from dsv4.kernels.reference.cache_ops import write_entries
-from dsv4.kernels.reference.norm_rope import EntryFinish
 
 
 def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
@@ -98,16 +95,3 @@ def compress_update(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     keep = ~done                                                  # exactly npend per request, in order
     state[slots] = torch.stack([m_seg[keep], s_seg[keep], a_seg[keep]]).view(3, -1, npend, d).transpose(0, 1)
     return entries, entry_request, entry_index
-
-
-def compress_flush(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                   start_positions: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, overlap: bool,
-                   views: dict[str, torch.Tensor], fmt: EntryFormat, block_table: torch.Tensor, epb: int, *,
-                   z_bias: torch.Tensor | None = None, plan: CompressPlan | None = None,
-                   finish: EntryFinish | None = None) -> None:
-    """A compressor's step and the cache write of the entries it finishes: `compress_update` (same
-    arguments; the state updated in place), then `write_entries(views, fmt, entries, ...,
-    block_table, epb, finish)` (the Triton twin runs HCA's one-request chunks as one kernel)."""
-    entries, entry_request, entry_index = compress_update(c, z, state, request_slots, start_positions, query_lens,
-                                                          ratio, overlap, z_bias=z_bias, plan=plan)
-    write_entries(views, fmt, entries, entry_request, entry_index, block_table, epb, finish)

@@ -11,7 +11,6 @@ import types
 from dsv4.kernels.triton import (
     cache_ops,
     compress,
-    compress_flush,
     decode,
     fp8_linear,
     gather,
@@ -26,8 +25,7 @@ def namespace() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name="triton", append_window=cache_ops.append_window, write_entries=cache_ops.write_entries,
         roundtrip_rows=cache_ops.roundtrip_rows,
-        compress_update=compress.compress_update, compress_flush=compress_flush.compress_flush,
-        gather_window=gather.gather_window,
+        compress_update=compress.compress_update, gather_window=gather.gather_window,
         gather_entries=gather.gather_entries, gather_all_entries=gather.gather_all_entries,
         compress_decode=cache_ops.compress_decode, paged_indexer_scores=decode.paged_indexer_scores,
         topk_smaller_index=decode.topk_smaller_index, decode_indexer_topk=decode.decode_indexer_topk,
