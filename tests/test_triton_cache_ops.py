@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from dsv4.cache.formats import EntryFormat, indexer_format, main_format
-from dsv4.errors import FormatError
+from dsv4.errors import FormatError, InputError
 from dsv4.kernels.reference import cache_ops as ref
 from dsv4.kernels.reference import decode as ref_decode
 from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
@@ -426,6 +426,83 @@ def test_compress_decode_raw_projection_inputs(d: int, ratio: int, overlap: bool
         assert torch.equal(i_a, i_b)
         _assert_fp32_close(e_b, e_a, f"{impl.__name__} entries")
         _assert_fp32_close(st_b, st_a, f"{impl.__name__} state")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,ratio,overlap,finish", [
+    (main_format("fp8_ds", 512, 64), 128, False, True), (main_format("fp8_ds", 512, 64), 4, True, False),
+    (main_format("bf16", 512, 64), 4, True, True), (main_format("fp32", 128, 64), 16, False, True),
+    (indexer_format("mxfp4", 128), 4, True, True), (indexer_format("fp8", 128), 4, True, False)],
+    ids=lambda v: _fid(v) if isinstance(v, EntryFormat) else str(v))
+def test_compress_decode_write(fmt: EntryFormat, ratio: int, overlap: bool, finish: bool, device: str):
+    """compress_decode(write=) == compress_decode then write_entries: the Triton kernel that does
+    both against the two Triton kernels (the same arithmetic: entries, state and every page byte
+    but the null block's equal) and the reference op (which composes the reference's two) within
+    fp32 rounding and a quantisation step. Steps cross 127/128/129 and 255/256/257; one request's
+    block is unallocated (its entry goes nowhere), another's entry lies past its table."""
+    d, epb, r = fmt.dim, 4, 7
+    g = torch.Generator().manual_seed(d + ratio)
+    slots = torch.tensor([4, 0, 2, 6, 1], dtype=torch.int32, device=device)
+    pos = torch.tensor([125, 253, 1276, 0, 1280], dtype=torch.int32, device=device)
+    # ratio 4: request 2's entry 319 goes to its last column, unallocated; request 4's entry 320 lies
+    # past the table; request 3's entry 0 to its first column
+    cols = 80
+    block_table = torch.randperm(5 * cols, generator=g).view(5, cols).add(1).to(torch.int32).to(device)
+    block_table[3, 1:] = -1
+    block_table[2, cols - 1] = -1
+    nblocks = 5 * cols + 1
+    fin = None
+    if finish:
+        rope = RopeTable.for_layer(DSV4Config.flash(), compressed=True)
+        fin = EntryFinish((torch.rand(d, generator=g) + 0.5).to(device), 1e-6, rope.inv_freq_on(torch.device(device)),
+                          ratio)
+    dc = 2 * d if overlap else d
+    st0 = _fresh_state(r, 2 if overlap else 1, d, device)
+    poison = _pages(fmt, nblocks, epb, device)
+    pages = {k: poison.clone() for k in ("two", "one", "ref")}
+    state = {k: st0.clone() for k in pages}
+    rows = torch.arange(slots.shape[0], device=device)
+    wrote = 0
+    for _ in range(4):
+        c = (torch.randn(slots.shape[0], dc, generator=g) * 3).to(device)
+        z = (torch.randn(slots.shape[0], dc, generator=g) * 4).to(device)
+        bias = torch.randn(ratio, dc, generator=g).to(device)
+        e2, i2 = tri.compress_decode(c, z, state["two"], slots, pos, ratio, overlap, z_bias=bias)
+        tri.write_entries(fmt.views(pages["two"], epb), fmt, e2, rows, i2, block_table, epb, fin)
+        e1, i1 = tri.compress_decode(c, z, state["one"], slots, pos, ratio, overlap, z_bias=bias,
+                                     write=ref.EntryWrite(fmt.views(pages["one"], epb), fmt, block_table, epb, fin))
+        er, ir = ref_decode.compress_decode(c, z, state["ref"], slots, pos, ratio, overlap, z_bias=bias,
+                                            write=ref.EntryWrite(fmt.views(pages["ref"], epb), fmt, block_table, epb,
+                                                                 fin))
+        assert torch.equal(i1, i2) and torch.equal(i1, ir)
+        closed = i1 >= 0
+        assert torch.equal(e1[closed], e2[closed]) and torch.equal(state["one"], state["two"])
+        _assert_fp32_close(e1[closed], er[closed], "entries")
+        _assert_fp32_close(state["one"], state["ref"], "state")
+        _assert_bytes_equal(pages["two"][1:], pages["one"][1:], f"{fmt.name} pages, one kernel vs two")
+        ok = closed & (block_table.gather(1, (i1.clamp(min=0) // epb).clamp(max=cols - 1)[:, None])[:, 0] >= 0)
+        ok &= i1 // epb < cols
+        if ok.any():
+            blk, row = ref._locate(block_table, rows, i1, epb, ok)
+            da, db = (ref.read_rows(fmt.views(pages[k], epb), fmt, blk[ok], row[ok]) for k in ("ref", "one"))
+            step = {"fp8_ds": 2 ** -3, "bf16": 2 ** -7, "fp8": 2 ** -3, "mxfp4": 0.5}.get(fmt.name, 1e-5)
+            torch.testing.assert_close(db, da, rtol=step, atol=step * da.abs().max().item())
+            wrote += int(ok.sum())
+        state["one"].copy_(state["ref"])                           # compare single steps: no drift
+        state["two"].copy_(state["ref"])
+        pos = pos + 1
+    assert wrote >= 2, "the steps must write entries"
+    assert not torch.equal(pages["one"][1:], poison[1:])
+
+
+def test_compress_decode_write_finish_ratio():
+    fmt = main_format("fp8_ds", 128, 64)
+    fin = EntryFinish(torch.ones(128), 1e-6, torch.ones(32, dtype=torch.float64), 4)
+    with pytest.raises(InputError, match="ratio"):
+        tri.compress_decode(torch.randn(1, 128), torch.randn(1, 128), _fresh_state(1, 1, 128, "cpu"),
+                            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 128, False,
+                            write=ref.EntryWrite(fmt.views(_pages(fmt, 2, 4, "cpu"), 4), fmt,
+                                                 torch.ones(1, 1, dtype=torch.int32), 4, fin))
 
 
 # ---------------------------------------------------------------------------- CUDA graph (GPU only)

@@ -18,6 +18,7 @@ from torch import nn
 from dsv4.attention.layers import RMSNorm
 from dsv4.cache.batch import ForwardBatch
 from dsv4.cache.handle import LayerCacheHandle
+from dsv4.kernels.reference.cache_ops import EntryWrite
 from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.streams import on, side_stream
 from dsv4.model.rope import RopeTable
@@ -52,13 +53,15 @@ class Compressor(nn.Module):
                                    plan=batch.compress_plans.get((self.ratio, self.overlap)))
 
     def compress_decode(self, c: torch.Tensor, z: torch.Tensor, batch: ForwardBatch, state: torch.Tensor,
-                        ops: types.SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
+                        ops: types.SimpleNamespace, write: EntryWrite | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (an all-decode batch): entries [B, dim] fp32 (A/S, before norm and
         RoPE; meaningful where entry_index >= 0) and entry_index [B] (-1: no entry finished).
 
-        c, z as in `compress`, read in place (column views of the layer's fused projection)."""
+        c, z as in `compress`, read in place (column views of the layer's fused projection). write:
+        also store the finished entries there (`ops.compress_decode(write=)`: one kernel on Triton)."""
         return ops.compress_decode(c, z, state, batch.request_slots, batch.positions, self.ratio, self.overlap,
-                                   z_bias=self.position_bias)
+                                   z_bias=self.position_bias, write=write)
 
     def finisher(self, rope: RopeTable, device: torch.device) -> EntryFinish:
         """kv_norm then RoPE at each entry's first token w*m: what `write_entries(finish=)` applies

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4.cache.handle import LayerCacheHandle
+from dsv4.kernels.reference.cache_ops import EntryWrite
 from dsv4.kernels.streams import on, side_stream
 from dsv4.model.layer_schedule import AttentionType
 
@@ -103,16 +104,15 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
         if comp is not None:
             assert pool is not None, "compressed layers have a paged pool"
             epb = sch.entries_per_block
-            ereq = b.token_request           # one token per request: entry i is request i's (no arange kernel)
+            # each compressor writes the entries it finishes (one kernel on Triton), applying kv_norm
+            # and RoPE at w*m itself
             if csa:
                 idx = comp.indexer
-                keys, kidx = idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops)
-                ops.write_entries(pool.indexer, sch.indexer_format, keys, ereq, kidx, b.block_table, epb,
-                                  idx.finisher(blk.rope, dev))
+                idx.compress_decode(proj["ic"], proj["iz"], b, st.idx_state, ops, EntryWrite(
+                    pool.indexer, sch.indexer_format, b.block_table, epb, idx.finisher(blk.rope, dev)))
                 keys_ready = _recorded(side)
-            entries, eidx = comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops)
-            # the writes apply kv_norm and RoPE at w*m themselves
-            ops.write_entries(pool.kv, fmt, entries, ereq, eidx, b.block_table, epb, comp.finisher(blk.rope, dev))
+            comp.compress_decode(proj["c"], proj["z"], b, st.comp_state, ops,
+                                 EntryWrite(pool.kv, fmt, b.block_table, epb, comp.finisher(blk.rope, dev)))
         if sch.attn_type not in WINDOW_ON_TABLE:
             if table_ready is not None:
                 side.wait_event(table_ready)

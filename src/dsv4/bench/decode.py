@@ -5,7 +5,9 @@ both layers and every implementation; per layer:
 
     op          what is timed (one decode step of B requests, token at position C - 1)
     append      append_window                                 kv into the window ring
-    flush       compress_decode + write_entries               (CSA: main and indexer compressors)
+    flush       compress_decode(write=)                       the fold, then kv_norm, RoPE, quantise and
+                                                                  scatter of the finished entry (CSA: main
+                                                                  and indexer compressors), as the layer runs it
     indexer     decode_indexer_topk (scores + top-k)          CSA only
     attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
     cache       the four above in sequence                    "cache-side decode work"
@@ -15,9 +17,7 @@ both layers and every implementation; per layer:
 
 Inputs the ops take from the projections (kv, c/z, q, indexer q and weights) are made once,
 outside the timing; the attention op reads a random valid selection of min(k, N_I) entries
-(the cache op uses the indexer's own). kv_norm + RoPE of a finished entry sit between
-compress_decode and write_entries in the layer; the flush op writes the raw A/S entry instead
-(same bytes).
+(the cache op uses the indexer's own).
 Repeated calls are valid: they rewrite the same ring row and entry, and keep folding the token
 into finite online-softmax states. Triton work is also timed as CUDA-graph replays.
 """
@@ -33,6 +33,7 @@ from dsv4.bench.common import FP8_IMPL, LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, decode_work
 from dsv4.bench.setup import DecodeState, acquire, build_decode_state, cache_bytes
 from dsv4.bench.timing import Timing, free_memory, guarded
+from dsv4.kernels.reference.cache_ops import EntryWrite
 
 if TYPE_CHECKING:
     import types
@@ -136,7 +137,6 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     kv = torch.randn(n, cfg.head_dim, device=dev, generator=gen).to(x.dtype)
     q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device=dev, generator=gen)
     c, z = cz(comp)
-    ereq = torch.arange(n, device=dev)
     num_entries, max_entries = b.visible_entries[ratio], b.seq_len_bound // ratio
     fns: dict[str, Callable[[], Any]] = {}
     fns["append"] = lambda: ops.append_window(st.swa, fmt, st.swa_pos, st.swa_head, kv, b.positions,
@@ -147,12 +147,14 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
         qi = ifmt.round_query(ifmt.to_stored_basis(torch.randn(n, idx.heads, idx.dim, device=dev, generator=gen)))
         g = torch.randn(n, idx.heads, device=dev, generator=gen)
 
+    write = EntryWrite(pool.kv, fmt, b.block_table, epb, comp.finisher(blk.rope, dev))
+    if csa:
+        iwrite = EntryWrite(pool.indexer, ifmt, b.block_table, epb, idx.finisher(blk.rope, dev))
+
     def flush() -> None:
-        e, ei = ops.compress_decode(c, z, st.comp_state, b.request_slots, b.positions, ratio, csa)
-        ops.write_entries(pool.kv, fmt, e, ereq, ei, b.block_table, epb)
+        ops.compress_decode(c, z, st.comp_state, b.request_slots, b.positions, ratio, csa, write=write)
         if csa:
-            k, ki = ops.compress_decode(ci, zi, st.idx_state, b.request_slots, b.positions, ratio, True)
-            ops.write_entries(pool.indexer, ifmt, k, ereq, ki, b.block_table, epb)
+            ops.compress_decode(ci, zi, st.idx_state, b.request_slots, b.positions, ratio, True, write=iwrite)
 
     def indexer() -> torch.Tensor:
         return ops.decode_indexer_topk(qi, g, pool.indexer, ifmt, b.block_table, num_entries, max_entries, epb,

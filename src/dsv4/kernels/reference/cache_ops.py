@@ -7,6 +7,8 @@ as returned by `EntryFormat.views`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsv4.cache.formats import EntryFormat
@@ -14,6 +16,16 @@ from dsv4.errors import FormatError
 from dsv4.kernels.reference.norm_rope import EntryFinish, finish_entries
 
 Views = dict[str, torch.Tensor]
+
+
+class EntryWrite(NamedTuple):
+    """Where `compress_decode(write=)` stores the entries its tokens finish: `write_entries`'s
+    arguments but the rows and their (request, index), which the compressor knows."""
+    views: Views
+    fmt: EntryFormat
+    block_table: torch.Tensor
+    epb: int
+    finish: EntryFinish | None = None
 
 
 def write_rows(views: Views, fmt: EntryFormat, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:

@@ -12,19 +12,23 @@ import torch
 
 from dsv4.cache.formats import EntryFormat
 from dsv4.errors import InputError
-from dsv4.kernels.reference.cache_ops import Views, read_rows
+from dsv4.kernels.reference.cache_ops import EntryWrite, Views, read_rows, write_entries
 from dsv4.kernels.reference.norm_rope import norm_rope
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None,
+                    write: EntryWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one token per request into its pending entries (DESIGN §5 online softmax).
 
     Args:
         c, z: [B, Dc] float (fp32 math); Dc = 2D (CSA) or D (HCA). z includes the position bias
             unless z_bias [ratio, Dc] is given: then z + z_bias[positions % ratio] (fp32).
         state: [R, 3, P, D] fp32 (M, S, A), updated in place; request_slots, positions: [B] int.
+        write: also store the finished entries: `write_entries(write.views, write.fmt, entries,
+            arange(B), entry_index, write.block_table, write.epb, write.finish)` (request i's token
+            is row i). A request that finishes no entry writes nothing where the cache is read
+            (the Triton twin skips the null block's padding row this writes).
     Returns:
         entries [B, D] fp32 = A/S of `cur` for requests whose token closes its window (else
         unspecified), entry_index [B] int64: the finished entry w, or -1.
@@ -62,6 +66,9 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
         new = torch.stack([torch.where(cl, empty_m, m), torch.where(cl, zero, s), torch.where(cl, zero, a)], 1)
         new = new[:, :, None]
     state[slots] = new
+    if write is not None:
+        rows = torch.arange(entries.shape[0], device=entries.device)
+        write_entries(write.views, write.fmt, entries, rows, entry_index, write.block_table, write.epb, write.finish)
     return entries, entry_index
 
 

@@ -25,8 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.cache.formats import EntryFormat
-from dsv4.errors import FormatError
-from dsv4.kernels.reference.cache_ops import roundtrip_dtype
+from dsv4.errors import FormatError, InputError
+from dsv4.kernels.reference.cache_ops import EntryWrite, roundtrip_dtype
 from dsv4.kernels.reference.norm_rope import EntryFinish
 from dsv4.kernels.triton.decode_common import pdl, pdl_launch
 from dsv4.kernels.triton.encode import FORMAT_ID, _encode_row, round_bf16, round_fp8_ds_tiles
@@ -35,6 +35,7 @@ from dsv4.kernels.triton.hadamard import fwht_constants
 Views = dict[str, torch.Tensor]
 
 _WRITE_WARPS = 2  # a row is 0.1-2 KB: one or two warps of 16-byte stores cover it
+_FUSED_WARPS = 4  # `compress_decode(write=)`: a request's whole compressor row and its entry in one program
 
 
 def _write_warps(dim: int) -> int:
@@ -172,28 +173,38 @@ def _write_entries_kernel(
         FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
         SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
         FINISH: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
-    """Program i: entry row i into (block_table[req, idx // epb], idx % epb), or the null row (0, 0)
-    (the reference's `_locate`). FINISH: row i is a raw compressor entry; its finished form (norm,
-    RoPE) goes to fin_ptr's row i first and is encoded from there (L2-resident). PDL: launched
-    with programmatic dependent launch (`pdl`): the launch is set up while the kernel before it
-    (the compressor that made the rows) runs, and the programs wait for its results here, before
-    any load or store."""
+    """Program i: entry row i (`_write_row`). PDL: launched with programmatic dependent launch
+    (`pdl`): the launch is set up while the kernel before it (the compressor that made the rows)
+    runs, and the programs wait for its results here, before any load or store."""
     if PDL:
         gdc_wait()
     i = tl.program_id(0)
     req = tl.load(ereq_ptr + i).to(tl.int64)
     idx = tl.load(eidx_ptr + i).to(tl.int64)
-    x_row, xs = x_ptr + i.to(tl.int64) * x_s0, x_s1
+    _write_row(x_ptr + i.to(tl.int64) * x_s0, x_s1, req, idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
+               r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr + i.to(tl.int64) * D, w_ptr, inv_ptr,
+               eps, RATIO, FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE, FINISH, HALF_R)
+
+
+@triton.jit
+def _write_row(
+        x_row, xs, req, idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
+        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_row, w_ptr, inv_ptr, eps, RATIO,
+        FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
+        FINISH: tl.constexpr, HALF_R: tl.constexpr):
+    """Entry row x_row of request req, index idx into (block_table[req, idx // epb], idx % epb), or
+    the null row (0, 0) (the reference's `_locate`). FINISH: the row is a raw compressor entry; its
+    finished form (norm, RoPE) goes to fin_row first and is encoded from there (L2-resident)."""
     if FINISH:      # the row's loads first: they need no index
-        xn, even, odd, wn, we, wo, inv_f = _finish_loads(x_row, x_s1, w_ptr, inv_ptr, D, HALF_R)
+        xn, even, odd, wn, we, wo, inv_f = _finish_loads(x_row, xs, w_ptr, inv_ptr, D, HALF_R)
     # the destination while the row is in flight (after the finish, its barrier held it back: one
     # more L2 round trip on the row's chain)
     e = tl.maximum(idx, 0)
     col = e // epb
     block = tl.load(bt_ptr + req * bt_s0 + tl.minimum(col, bt_cols - 1) * bt_s1).to(tl.int64)
     if FINISH:
-        x_row = _finish_math(xn, even, odd, wn, we, wo, inv_f, fin_ptr + i.to(tl.int64) * D, eps, idx, RATIO, D,
-                             HALF_R)
+        x_row = _finish_math(xn, even, odd, wn, we, wo, inv_f, fin_row, eps, idx, RATIO, D, HALF_R)
         xs = 1
     ok = (idx >= 0) & (col < bt_cols) & (block >= 0)           # past the table: padding as well
     page = tl.where(ok, block, 0)
@@ -217,16 +228,56 @@ def _compress_decode_kernel(
         c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0, st_s1, st_s2, st_s3, rslot_ptr,
         pos_ptr, out_ptr, idx_ptr, D, RATIO, OVERLAP: tl.constexpr, P: tl.constexpr, BIAS: tl.constexpr,
         BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, j): channels [j*BLOCK, (j+1)*BLOCK) of request b's pending entries. c, z in any
-    float dtype (fp32 math); BIAS: z += bias[pos % RATIO] (fp32). PDL: the entries' write (launched
-    after it with programmatic dependent launch) may start its programs as soon as every program
-    here runs (they wait for these results in `gdc_wait`). The prefill compressor does not do
-    this: its early trigger cost HCA compress_flush 74 -> 84 µs (benchmarks/NOTES.md #67)."""
+    """Program (b, j): channels [j*BLOCK, (j+1)*BLOCK) of request b's pending entries
+    (`_compress_channels`). PDL: the entries' write (launched after it with programmatic dependent
+    launch) may start its programs as soon as every program here runs (they wait for these results
+    in `gdc_wait`). The prefill compressor does not do this: its early trigger cost HCA
+    compress_flush 74 -> 84 µs (benchmarks/NOTES.md #67)."""
     if PDL:
         gdc_launch_dependents()
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    md = d < D
+    idx = _compress_channels(b, d, d < D, c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0,
+                             st_s1, st_s2, st_s3, rslot_ptr, pos_ptr, out_ptr, D, RATIO, OVERLAP, P, BIAS)
+    tl.store(idx_ptr + b, idx, mask=tl.program_id(1) == 0)
+
+
+@triton.jit
+def _compress_decode_write_kernel(
+        c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0, st_s1, st_s2, st_s3, rslot_ptr,
+        pos_ptr, out_ptr, idx_ptr, RATIO, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
+        r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr, w_ptr, inv_ptr, eps,
+        OVERLAP: tl.constexpr, P: tl.constexpr, BIAS: tl.constexpr,
+        FMT: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+        SB: tl.constexpr, SB_P2: tl.constexpr, HAD: tl.constexpr, LOG_D: tl.constexpr, HSCALE: tl.constexpr,
+        FINISH: tl.constexpr, HALF_R: tl.constexpr, PDL: tl.constexpr):
+    """Program b: all D channels of request b's pending entries, then, where its token closes a
+    window, the finished entry's write (`_write_row`) from the row just stored (this program's
+    own stores, made visible to its threads by a barrier): one launch and one program's chain
+    where `compress_decode` then `write_entries` take two kernels and a grid-wide wait between
+    them. A request that finishes nothing writes no padding row."""
+    if PDL:
+        gdc_launch_dependents()
+    b = tl.program_id(0)
+    d = tl.arange(0, D_P2)
+    idx = _compress_channels(b, d, d < D, c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0,
+                             st_s1, st_s2, st_s3, rslot_ptr, pos_ptr, out_ptr, D, RATIO, OVERLAP, P, BIAS)
+    tl.store(idx_ptr + b, idx)
+    if idx >= 0:
+        tl.debug_barrier()          # the row's channels were stored by other threads
+        _write_row(out_ptr + b.to(tl.int64) * D, 1, b.to(tl.int64), idx, bt_ptr, bt_s0, bt_s1, bt_cols, epb,
+                   r0, r0_s0, r0_s1, r1, r1_s0, r1_s1, r2, r2_s0, r2_s1, fin_ptr + b.to(tl.int64) * D, w_ptr, inv_ptr,
+                   eps, RATIO, FMT, D, D_P2, ROPE, ROPE_P2, SB, SB_P2, HAD, LOG_D, HSCALE, FINISH, HALF_R)
+
+
+@triton.jit
+def _compress_channels(
+        b, d, md, c_ptr, c_s0, c_s1, z_ptr, z_s0, z_s1, bias_ptr, bias_s0, st_ptr, st_s0, st_s1, st_s2, st_s3,
+        rslot_ptr, pos_ptr, out_ptr, D, RATIO, OVERLAP: tl.constexpr, P: tl.constexpr, BIAS: tl.constexpr):
+    """Channels d (mask md) of request b's pending entries: the token's (c, z) folded in, A/S of
+    `cur` to out's row b; returns the finished entry's index (floor(pos / RATIO)) where the token
+    closes its window, else -1. c, z in any float dtype (fp32 math); BIAS: z += bias[pos % RATIO]
+    (fp32)."""
     slot = tl.load(rslot_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     closes = (pos + 1) % RATIO == 0
@@ -265,7 +316,7 @@ def _compress_decode_kernel(
             tl.store(pb + 2 * st_s1, tl.where(closes, 0.0, a), mask=md)
     q = pos // RATIO
     q = tl.where((q * RATIO != pos) & (pos < 0), q - 1, q)        # floor division, as torch's //
-    tl.store(idx_ptr + b, tl.where(closes, q, -1), mask=tl.program_id(1) == 0)
+    return tl.where(closes, q, -1)
 
 
 # ====================================================================== host wrappers
@@ -407,8 +458,8 @@ def write_entries(views: Views, fmt: EntryFormat, rows: torch.Tensor, entry_requ
 
 
 def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
-                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    positions: torch.Tensor, ratio: int, overlap: bool, *, z_bias: torch.Tensor | None = None,
+                    write: EntryWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one token per request into its pending entries (DESIGN §5 online softmax; reference twin).
 
     Args:
@@ -416,6 +467,10 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
             Dc = 2D (CSA, overlap) or D (HCA). z includes the position bias unless z_bias
             [ratio, Dc] is given, which is then added at row positions % ratio (fp32 math).
         state: [R, 3, P, D] fp32 (M, S, A), updated in place; request_slots, positions: [B] int.
+        write: also store the finished entries (`write_entries` on the rows, request i's token
+            being row i), in the same kernel: a program per request folds all D channels in, then
+            finishes and encodes its entry. No padding row is written for a request that finishes
+            none (the reference's goes to the null block, which nothing reads).
     Returns:
         entries [B, D] fp32 = A/S of `cur` after the update (meaningful where the token closes
         its window), entry_index [B] int64: the finished entry position // ratio, or -1.
@@ -427,6 +482,10 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
     entry_index = torch.empty(bsz, dtype=torch.int64, device=c.device)
     if bsz == 0:
         return entries, entry_index
+    if write is not None:
+        _compress_decode_write(c, z, state, request_slots, positions, ratio, overlap, z_bias, write, entries,
+                               entry_index)
+        return entries, entry_index
     block = min(_p2(d), 256)
     _compress_decode_kernel[(bsz, triton.cdiv(d, block))](
         c, c.stride(0), c.stride(1), z, z.stride(0), z.stride(1), z_bias if z_bias is not None else z,
@@ -434,6 +493,28 @@ def compress_decode(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, reque
         entries, entry_index, d, ratio, OVERLAP=overlap, P=p, BIAS=z_bias is not None, BLOCK=block,
         PDL=pdl(c.device), num_warps=2)
     return entries, entry_index
+
+
+def _compress_decode_write(c: torch.Tensor, z: torch.Tensor, state: torch.Tensor, request_slots: torch.Tensor,
+                           positions: torch.Tensor, ratio: int, overlap: bool, z_bias: torch.Tensor | None,
+                           write: EntryWrite, entries: torch.Tensor, entry_index: torch.Tensor) -> None:
+    fmt, finish = write.fmt, write.finish
+    _check_rows(fmt, entries)
+    if finish is not None and finish.ratio != ratio:
+        raise InputError(f"the entries' finish rotates at ratio {finish.ratio}, the compressor's is {ratio}")
+    bt = write.block_table
+    if finish is not None:
+        fin = torch.empty_like(entries)
+        extra, half_r = (fin, finish.weight, finish.inv_freq, finish.eps), finish.inv_freq.shape[0]
+    else:       # never read
+        extra, half_r = (entries, entries, entries, 0.0), 0
+    _compress_decode_write_kernel[(c.shape[0],)](
+        c, c.stride(0), c.stride(1), z, z.stride(0), z.stride(1), z_bias if z_bias is not None else z,
+        z_bias.stride(0) if z_bias is not None else 0, state, *state.stride(), request_slots, positions,
+        entries, entry_index, ratio, bt, bt.stride(0), bt.stride(1), bt.shape[1], write.epb,
+        *_region_args(write.views, fmt, 3), *extra, OVERLAP=overlap, P=state.shape[2], BIAS=z_bias is not None,
+        **_format_meta(fmt), FINISH=finish is not None, HALF_R=half_r, PDL=pdl(c.device),
+        num_warps=_FUSED_WARPS)
 
 
 __all__ = ["append_window", "compress_decode", "write_entries"]
