@@ -13,6 +13,7 @@ from dsv4.errors import InputError
 from dsv4.kernels.reference import quant
 from dsv4.kernels.reference.norm_rope import norm_rope as ref
 from dsv4.kernels.reference.norm_rope import rope_cos_sin as ref_cos_sin
+from dsv4.kernels.triton.norm_rope import HADAMARD_BLOCK_ROWS
 from dsv4.kernels.triton.norm_rope import norm_rope as tri
 from dsv4.kernels.triton.norm_rope import rope_cos_sin as tri_cos_sin
 from dsv4.model.config import DSV4Config
@@ -63,6 +64,22 @@ def test_hadamard_queries(device, shape):
     assert not torch.allclose(a, roped, atol=tol)                  # the rotation happened
     with pytest.raises(InputError):
         tri(torch.randn(3, 96, device=device), None, 0.0, cos[:3], sin[:3], hadamard=True, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hadamard_block_rows(device):
+    """A prefill chunk's Hadamard rows go HADAMARD_BLOCK_ROWS a program (the last block ragged here):
+    bit for bit the 4-row programs' result, rounded to mxfp4 as the layer asks, and near the reference."""
+    x = (torch.randn(7, 5, 128, device=device) * 3).to(torch.bfloat16)
+    cos, sin = _angles(7, 32, device)
+    kw = dict(normalize=False, out_dtype=torch.bfloat16, hadamard=True, round_to="mxfp4")
+    a = tri(x, None, 0.0, cos, sin, block_rows=4, **kw)
+    b = tri(x, None, 0.0, cos, sin, block_rows=HADAMARD_BLOCK_ROWS, **kw)
+    assert HADAMARD_BLOCK_ROWS > 4 and 35 % HADAMARD_BLOCK_ROWS
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    r = ref(x, None, 0.0, cos, sin, **kw).float()
+    torch.testing.assert_close(b.float(), r, rtol=0, atol=0.5 * r.abs().max().item())
+    assert (b.float() == r).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("device", DEVICES)

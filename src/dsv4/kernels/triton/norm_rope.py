@@ -20,6 +20,10 @@ from dsv4.errors import InputError
 from dsv4.kernels.triton.encode import FORMAT_ID, round_bf16, round_rows
 from dsv4.kernels.triton.hadamard import fwht_constants, fwht_rows
 
+#: rows a program for Hadamard-rotated rows, from HADAMARD_BLOCK_MIN_ROWS rows (`norm_rope`)
+HADAMARD_BLOCK_ROWS = 16
+HADAMARD_BLOCK_MIN_ROWS = 1 << 16
+
 
 @triton.jit
 def rotated_rows_rms(ptrs, mask, d, cos_row, sin_row, eps, D: tl.constexpr, HALF_R: tl.constexpr,
@@ -102,12 +106,14 @@ def _norm_rope_kernel(x_ptr, x_s0, x_s1, w_ptr, cos_ptr, sin_ptr, out_ptr, n_row
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
               normalize: bool = True, inverse: bool = False, out_dtype: torch.dtype | None = None,
-              hadamard: bool = False, round_to: str | None = None) -> torch.Tensor:
+              hadamard: bool = False, round_to: str | None = None, block_rows: int | None = None,
+              num_warps: int | None = None) -> torch.Tensor:
     """Same contract as `dsv4.kernels.reference.norm_rope.norm_rope`. x may have any token and head
     strides (a column slice of a wider projection is read in place); channels must be contiguous.
     hadamard: the butterfly of `hadamard.fwht_rows` after the rotation (bit for bit the reference's
     `quant.fwht` of the same rows), one kernel where the matmul took a second. round_to: then
-    `encode.round_rows` (bit for bit `quant.round_query`) in the same kernel."""
+    `encode.round_rows` (bit for bit `quant.round_query`) in the same kernel. block_rows, num_warps:
+    rows a program and its warps (tuning; `benchmarks/norm_rope_sweep.py`)."""
     d = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     if x.stride(-1) != 1:
@@ -122,12 +128,16 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     rnd = -1 if round_to in (None, "fp32_i") else FORMAT_ID[round_to]
     if rnd >= 0 and not hadamard and round_to != "bf16_i":
         raise InputError(f"norm_rope(round_to={round_to!r}) rounds Hadamard-rotated rows (hadamard=True)")
-    block_rows = 4
+    # Hadamard rows of a prefill chunk (the CSA indexer's queries, [8K, 64, 128]) 16 a program: the
+    # butterfly's layout shuffles amortise over more rows (H100, 268 MB: 254 -> 186 µs; 4 rows a
+    # program stay best for the other shapes and for a decode step's few rows)
+    block_rows = block_rows or (HADAMARD_BLOCK_ROWS if hadamard and n_rows >= HADAMARD_BLOCK_MIN_ROWS else 4)
     _norm_rope_kernel[(triton.cdiv(n_rows, block_rows),)](
         x, x.stride(0), x.stride(1) if x.dim() == 3 else 0, weight if weight is not None else x,
         cos.float().contiguous(), sin.float().contiguous(), out, n_rows, heads, eps, D=d, HALF_R=half_r,
         BLOCK_P=triton.next_power_of_2(d // 2), BLOCK_ROWS=block_rows, NORMALIZE=normalize,
-        WEIGHTED=weight is not None, INVERSE=inverse, HAD=hadamard, ROUND=rnd, **fwht_constants(d))
+        WEIGHTED=weight is not None, INVERSE=inverse, HAD=hadamard, ROUND=rnd, **fwht_constants(d),
+        **({"num_warps": num_warps} if num_warps else {}))
     return out
 
 
