@@ -164,14 +164,17 @@ def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 245
     attempt("pindexer", case, "per-row scan", lambda: sc_mod.paged_indexer_scores(q, g, views, fmt, rows_table,
                                                                                    visible, n, epb),
             check, "indexer_scores")
-    for tokens, dt, bn, warps, progs, pf in ((1, 1, 64, 4, 1, False), (4, 4, 64, 4, 1, False),
-                                             (4, 2, 64, 4, 1, False), (4, 2, 64, 4, 1, True), (4, 2, 64, 4, 2, True),
-                                             (4, 2, 64, 8, 1, True), (8, 2, 64, 8, 1, True)):
+    for tokens, dt, bn, warps, progs, pf, regs in ((4, 2, 64, 4, 1, True, None), (4, 2, 64, 4, 1, True, 192),
+                                                   (4, 2, 64, 4, 1, True, 168), (4, 2, 64, 4, 1, True, 128),
+                                                   (4, 4, 64, 4, 1, True, None), (4, 4, 64, 4, 1, True, 168),
+                                                   (8, 2, 64, 8, 1, True, 128), (4, 2, 64, 8, 1, True, 128),
+                                                   (4, 1, 64, 4, 1, True, 168)):
         groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
-        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs} prefetch={pf}",
-                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs, pf=pf: ip.grouped_scores(
-                    q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt, block_n=bn,
-                    num_warps=warps, programs=progs, prefetch=pf),
+        attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs} prefetch={pf}"
+                f" maxnreg={regs}",
+                lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs, pf=pf, regs=regs:
+                ip.grouped_scores(q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt,
+                                  block_n=bn, num_warps=warps, programs=progs, prefetch=pf, maxnreg=regs),
                 check, "indexer_prefill_scan")
     scores = ip.grouped_scores(q, g, views, fmt, table, visible, ip.token_groups((chunk,), 0, chunk, ip.TOKENS, DEV), n,
                                epb, tokens=ip.TOKENS)

@@ -51,7 +51,7 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
                    *, tokens: int, dot_tokens: int | None = None, precision: str | None = None,
                    block_n: int | None = None, prefetch: bool = True,
                    programs: int = 1, num_warps: int = 4, num_stages: int | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   maxnreg: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [T, max_entries] of the rows of q [T, H, D_I] (fp32, the keys' stored basis) with
     weights [T, H]: row r sees entries [0, visible[r]) of request groups[., 2]'s keys (block_table
     rows are per request), -inf beyond. groups as `token_groups` with at most `tokens` rows each.
@@ -78,7 +78,7 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
         (groups.shape[0], min(programs, tiles)), _scan_queries(q), weights, out, data, scale, glob,
         block_table, visible.to(torch.int32), groups, tiles, max_entries, epb, 1.0, fmt_name=fmt.name, prec=prec,
         cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, prefetch=prefetch, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, maxnreg=maxnreg if cuda else None)
     note_compile("indexer_prefill_scan", k)
     return out
 

@@ -381,11 +381,13 @@ def _prefill_scan_kernel(
 def launch_prefill_scan(grid, q, weights, out, data, scale, glob, block_table, visible, groups, tiles, max_entries,
                         epb, weight_scale, *, fmt_name: str, prec: int, cuda: bool, block_n: int, tokens: int,
                         dot_tokens: int, prefetch: bool, num_warps: int, num_stages: int | None,
-                        asm: bool = True):
+                        asm: bool = True, maxnreg: int | None = None):
     """`_prefill_scan_kernel` over groups [G, 3] int32 (first row, rows, request) of q [T, H, D]."""
     heads, dim = q.shape[1], q.shape[2]
     ge = _group_size(fmt_name)
     extra = {"num_stages": num_stages} if num_stages else {}
+    if maxnreg:
+        extra["maxnreg"] = maxnreg
     return _prefill_scan_kernel[grid](
         q, weights, out, data, scale, glob, block_table, visible, groups,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), data.stride(0), data.stride(1),
