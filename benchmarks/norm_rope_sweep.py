@@ -4,34 +4,19 @@
 
 Shapes: the CSA indexer's queries [T, 64, 128] bf16 (rope 64, Hadamard, mxfp4 rounding, bf16 out),
 q_a [T, 1024] (weighted norm), kv [T, 512] (weighted norm, rope 64), q [T, 64, 512] (norm, rope 64,
-bf16 out). Each configuration's output must equal the default's bit for bit; time is the median of
-20 calls, each after a 256 MB read that flushes the L2, with CUDA events; GB/s counts x read once
+bf16 out). Each configuration's output must equal the default's bit for bit; time is `read_floor.timed_us`
+(the median of 20 calls, each after a 256 MB read that flushes the L2, CUDA events); GB/s counts x read once
 and out written once.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from read_floor import timed_us
 
 from dsv4.kernels.triton.norm_rope import norm_rope
-
-
-def _time(fn, flush: torch.Tensor, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(1e3 * a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -40,7 +25,6 @@ def main() -> None:
     t = ap.parse_args().tokens
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     ang = torch.rand(t, 32, device=dev, generator=g) * 6.28
     cos, sin = ang.cos(), ang.sin()
     none = torch.empty(t, 0, device=dev)
@@ -70,7 +54,7 @@ def main() -> None:
                 continue
             same = torch.equal(out.view(torch.int16) if out.dtype == torch.bfloat16 else out.view(torch.int32),
                                ref.view(torch.int16) if ref.dtype == torch.bfloat16 else ref.view(torch.int32))
-            us = _time(lambda r=r, w=w, x=x, kw=kw: norm_rope(x, **kw, block_rows=r, num_warps=w), flush)
+            us = timed_us(lambda r=r, w=w, x=x, kw=kw: norm_rope(x, **kw, block_rows=r, num_warps=w), reps=20)
             rows.append((f"{r or 'default'} x {w or 'default'}", us, "" if same else "DIFFERS"))
         print(f"## {name}: {nbytes / 1e6:.1f} MB")
         for label, us, note in sorted(rows, key=lambda v: v[1] or 1e9):

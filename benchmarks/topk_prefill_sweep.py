@@ -5,32 +5,18 @@
 Rows as `indexer_prefill.prefill_indexer_topk` hands them over for the chunk of `tokens` tokens after
 `before` cached (CSA, m = 4): row t sees the first (before + t + 1) // 4 of N = (before + tokens) // 4
 entries, -inf past them; scores are standard normal. Each variant's picks must equal the default's;
-time is the median of 15 calls, each after a 256 MB read that flushes the L2 (CUDA events).
+time is `read_floor.timed_us`
+(the median of 15 calls, each after a 256 MB read that flushes the L2, CUDA events).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from read_floor import timed_us
 
 from dsv4.kernels.triton.topk import topk_smaller_index
-
-
-def _time(fn, flush: torch.Tensor, reps: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(1e3 * a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -45,7 +31,6 @@ def main() -> None:
     s = torch.randn(o.tokens, n, device=dev, generator=g)
     vis = (o.before + torch.arange(o.tokens, device=dev) + 1) // 4
     s.masked_fill_(torch.arange(n, device=dev)[None, :] >= vis[:, None], float("-inf"))
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     base = topk_smaller_index(s, o.k)
     variants = {"default": {}}
     for fc in (2048, 8192):
@@ -62,7 +47,7 @@ def main() -> None:
     for name, kw in variants.items():
         try:
             same = torch.equal(topk_smaller_index(s, o.k, **kw), base)
-            us = _time(lambda kw=kw: topk_smaller_index(s, o.k, **kw), flush)
+            us = timed_us(lambda kw=kw: topk_smaller_index(s, o.k, **kw), reps=15)
         except Exception as e:          # a variant that does not compile or launch
             print(f"  {name:<36} {type(e).__name__}: {str(e)[:80]}")
             continue
