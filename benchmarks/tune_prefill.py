@@ -165,17 +165,22 @@ def prefill_indexer_variants(cfg, tpb: int, chunk: int = 8192, cached: int = 245
                                                                                    visible, n, epb),
             check, "indexer_scores")
     for tokens, dt, bn, warps, progs, pf, regs in ((4, 2, 64, 4, 1, True, None), (4, 2, 64, 4, 1, True, 192),
-                                                   (4, 2, 64, 4, 1, True, 168), (4, 2, 64, 4, 1, True, 128),
-                                                   (4, 4, 64, 4, 1, True, None), (4, 4, 64, 4, 1, True, 168),
-                                                   (8, 2, 64, 8, 1, True, 128), (4, 2, 64, 8, 1, True, 128),
-                                                   (4, 1, 64, 4, 1, True, 168)):
+                                                   (4, 4, 64, 4, 1, True, None), (8, 2, 64, 8, 1, True, 128)):
         groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
         attempt("pindexer", case, f"grouped tokens={tokens}x{dt} bn={bn} warps={warps} programs={progs} prefetch={pf}"
                 f" maxnreg={regs}",
                 lambda tokens=tokens, dt=dt, groups=groups, bn=bn, warps=warps, progs=progs, pf=pf, regs=regs:
                 ip.grouped_scores(q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, dot_tokens=dt,
-                                  block_n=bn, num_warps=warps, programs=progs, prefetch=pf, maxnreg=regs),
+                                  block_n=bn, num_warps=warps, programs=progs, prefetch=pf, maxnreg=regs, tma=False),
                 check, "indexer_prefill_scan")
+    for tokens, progs, regs in ((4, 1, None), (2, 1, None), (8, 1, None), (4, 2, None), (4, 1, 128), (2, 1, 128),
+                                (4, 1, 255)):
+        groups = ip.token_groups((chunk,), 0, chunk, tokens, DEV)
+        attempt("pindexer", case, f"tma tokens={tokens} programs={progs} maxnreg={regs}",
+                lambda tokens=tokens, groups=groups, progs=progs, regs=regs: ip.grouped_scores(
+                    q, g, views, fmt, table, visible, groups, n, epb, tokens=tokens, programs=progs, maxnreg=regs,
+                    tma=True),
+                check, "indexer_prefill_scan_tma")
     scores = ip.grouped_scores(q, g, views, fmt, table, visible, ip.token_groups((chunk,), 0, chunk, ip.TOKENS, DEV), n,
                                epb, tokens=ip.TOKENS)
     top = topk_mod.topk_smaller_index(scores, cfg.index_topk)

@@ -292,6 +292,54 @@ def test_grouped_scan_matches_reference_scores(device, kind, fmt, lens, chunk, t
     close(got, want, tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,programs", [(1, 1), (2, 3), (4, 1), (4, 2), (8, 1)])
+def test_grouped_scan_tma(tokens, programs):
+    """The TMA prefill scan (pages by the tensor memory accelerator; the int8 MMA where a tile's keys
+    and a group's queries allow it, else the bf16 one) against the reference scores (exact operands)
+    and the Triton grouped scan: real-size rows whose visible entries cross 63 / 64 / 65, 127 / 128 /
+    129 and 255 / 256 / 257, groups cut short by a request's end, 1-3 programs a group, output
+    poisoned. Scale groups 0-2 octaves apart at random, one key of every third page 3 apart (those
+    tiles take the bf16 MMA); one row's queries a head 2^12 apart between groups (its group takes the
+    bf16 MMA) and a zero weight."""
+    from test_triton_decode import TOL, cache, close, max_rel
+
+    from dsv4.kernels.reference import decode as ref_decode
+    from dsv4.kernels.triton import indexer_scan_tma
+
+    dev = "cuda"
+    lens, chunk = (1029, 1300, 520, 263), (9, 300, 7, 11)
+    mgr, batch = cache("real", "bf16", "mxfp4", lens, dev)
+    sch, pool = mgr.schemas[1], mgr.paged[1]
+    fmt, epb = sch.indexer_format, sch.entries_per_block
+    typed = fmt.typed(pool.indexer)
+    pos, req, visible = _chunk_rows(lens, chunk, sch.compress_ratio, dev)
+    gen = torch.Generator().manual_seed(7)
+    q = fmt.round_query(torch.randn(len(pos), 64, sch.indexer_head_dim, generator=gen).to(dev))
+    if not indexer_scan_tma.supported(q, typed["data"], typed["scale"], fmt.name, epb, 1):
+        pytest.skip("the TMA prefill scan needs an sm_90 GPU (Hopper), 64 indexer heads and 64 keys a page")
+    scale = typed["scale"]
+    base = torch.randint(118, 134, scale.shape[:2] + (1,), generator=gen)
+    sc = base + torch.randint(0, 3, scale.shape, generator=gen)
+    sc[::3, 7] = base[::3, 7] + torch.tensor([0, 0, 3, 1])
+    scale.copy_(sc.to(torch.uint8).to(dev))
+    q[20, 5, :32] *= 2.0 ** 12
+    w = torch.randn(len(pos), 64, generator=gen).to(dev)
+    w[30, 4] = 0.0
+    n_max = max(lens) // sch.compress_ratio
+    want = ref_decode.paged_indexer_scores(q, w, pool.indexer, fmt, batch.block_table[req.long()], visible, n_max,
+                                           epb)
+    groups = tri_indexer.token_groups(chunk, 0, len(pos), tokens, dev)
+    triton_grouped = tri_indexer.grouped_scores(q, w, pool.indexer, fmt, batch.block_table, visible, groups, n_max,
+                                                epb, tokens=tokens, tma=False)
+    out = torch.full((len(pos), n_max), float("nan"), device=dev)
+    got = tri_indexer.grouped_scores(q, w, pool.indexer, fmt, batch.block_table, visible, groups, n_max, epb,
+                                     tokens=tokens, programs=programs, tma=True, out=out)
+    close(got, want, TOL["ieee"])
+    fin = torch.isfinite(want)
+    assert max_rel(got[fin], triton_grouped[fin]) <= 1e-6
+
+
 def test_grouped_scan_refuses_other_formats():
     mgr = KVCacheManager(tiny_config(), max_requests=1, num_blocks=4, device="cpu", kv_format="bf16",
                          indexer_format="fp8", tokens_per_block=32)

@@ -26,13 +26,17 @@ import torch
 import triton
 
 from dsv4.errors import FormatError
-from dsv4.kernels.triton import indexer_scan
+from dsv4.kernels.triton import indexer_scan, indexer_scan_tma
 from dsv4.kernels.triton.decode_common import note_compile, precision_id
 from dsv4.kernels.triton.indexer_scores import DEFAULT_PRECISION
 
 _SCORE_BYTES = 256 << 20  # one slice's [rows, N] fp32 scores
 _MIN_ROWS = 256
 TOKENS = 4  # query tokens per program of the grouped scan
+#: programs a group of the TMA prefill scan (`indexer_scan_tma.launch_prefill`). H100, the last 8K chunk
+#: of a 32K prompt, µs (`tune_decode.py --prefill-indexer`): 1 1,711.9, 2 1,666.5; the Triton grouped scan
+#: 1,947.4
+TMA_PROGRAMS = 2
 
 
 def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, device) -> torch.Tensor:
@@ -50,13 +54,16 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
                    block_table: torch.Tensor, visible: torch.Tensor, groups: torch.Tensor, max_entries: int, epb: int,
                    *, tokens: int, dot_tokens: int | None = None, precision: str | None = None,
                    block_n: int | None = None, prefetch: bool = True,
-                   programs: int = 1, num_warps: int = 4, num_stages: int | None = None,
-                   maxnreg: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   programs: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                   maxnreg: int | None = None, tma: bool | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [T, max_entries] of the rows of q [T, H, D_I] (fp32, the keys' stored basis) with
     weights [T, H]: row r sees entries [0, visible[r]) of request groups[., 2]'s keys (block_table
     rows are per request), -inf beyond. groups as `token_groups` with at most `tokens` rows each.
     E2M1 keys (mxfp4, nvfp4) at bf16 / bf16x2 only. dot_tokens: tokens per dot (default min(tokens,
-    2)); out: where to write (default a new tensor)."""
+    2)); out: where to write (default a new tensor). tma: mxfp4 keys at "bf16" with 64 heads of 128 and
+    64 keys a page on sm_90 run `indexer_scan_tma.launch_prefill` (pages by the tensor memory
+    accelerator, the int8 MMA) unless tma=False; tma=True where it cannot raises."""
     typed = fmt.typed(idx_views)
     data = typed["data"]
     scale = typed.get("scale", data)
@@ -68,6 +75,16 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     out = torch.empty(q.shape[0], max_entries, dtype=torch.float32, device=q.device) if out is None else out
     if q.shape[0] == 0 or max_entries == 0 or groups.shape[0] == 0:
         return out.fill_(float("-inf"))
+    tma_ok = cuda and indexer_scan_tma.supported(q, data, scale, fmt.name, epb, prec)
+    if tma and not tma_ok:
+        raise FormatError("the TMA prefill scan needs mxfp4 keys at bf16, 64 heads of 128, 64 keys a page, sm_90")
+    if tma_ok and tma is not False:
+        k = indexer_scan_tma.launch_prefill(
+            _scan_queries(q), weights.float().contiguous(), out, data, scale, block_table, visible.to(torch.int32),
+            groups, max_entries, 1.0, tokens=triton.next_power_of_2(tokens), programs=programs or TMA_PROGRAMS,
+            maxnreg=maxnreg)
+        note_compile("indexer_prefill_scan_tma", k)
+        return out
     bn = block_n or (64 if cuda else 16)
     tiles = triton.cdiv(max_entries, bn)
     tokens = triton.next_power_of_2(tokens)
@@ -75,7 +92,7 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
     weights = weights.float()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     k = indexer_scan.launch_prefill_scan(
-        (groups.shape[0], min(programs, tiles)), _scan_queries(q), weights, out, data, scale, glob,
+        (groups.shape[0], min(programs or 1, tiles)), _scan_queries(q), weights, out, data, scale, glob,
         block_table, visible.to(torch.int32), groups, tiles, max_entries, epb, 1.0, fmt_name=fmt.name, prec=prec,
         cuda=cuda, block_n=bn, tokens=tokens, dot_tokens=dt, prefetch=prefetch, num_warps=num_warps,
         num_stages=num_stages, maxnreg=maxnreg if cuda else None)

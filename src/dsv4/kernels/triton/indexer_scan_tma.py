@@ -96,6 +96,9 @@ MAXNREG_INT8 = 80
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
 #: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
 INT8 = True
+#: registers a thread of the prefill scan (`_prefill_scan_tma_kernel`; sm_90 compile at 4 rows a group: 8 bytes
+#: of stack at 168, 88 at 128; its 60 KB of shared memory hold three programs an SM either way)
+PREFILL_MAXNREG = 168
 #: `_q8_kernel`'s programs a request (16 heads each)
 Q8_BLOCKS = 4
 _Q8_BLOCKS = gl.constexpr(Q8_BLOCKS)
@@ -299,6 +302,12 @@ def _store_q16(q_s, q_ptr, b, s_qb, s_qh):
 def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the bf16 MMA."""
     keys, glob = _decode(words, srow, srow_acc)
+    return _scores16(keys, glob, qt, wts, out_row, tile0, n_b, max_entries, out_scale)
+
+
+@gluon.jit
+def _scores16(keys, glob, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
+    """One query row's scores of a decoded tile (`_decode`) by the bf16 MMA."""
     acc = warpgroup_mma(keys, qt, gl.zeros([_EPB, 64], gl.float32, layout=_acc()), use_acc=False)
     score = gl.sum(gl.maximum(acc, 0.0) * wts, axis=1) * (glob * out_scale)      # glob > 0: after ReLU
     return _store(out_row, score, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc())), n_b, max_entries)
@@ -308,11 +317,18 @@ def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, ou
 def _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the int8 MMA (exact integer dots S + k8's offset)."""
     keys8, glob8 = _decode8(words, srow, srow_acc)
+    return _scores8(keys8, glob8, qt8, kw_s.index(0), kw_s.index(1), out_row, tile0, n_b, max_entries, out_scale)
+
+
+@gluon.jit
+def _scores8(keys8, glob8, qt8, off_s, w_s, out_row, tile0, n_b, max_entries, out_scale):
+    """One query row's scores of a decoded tile (`_decode8`) by the int8 MMA; off_s, w_s its heads'
+    offsets and weights."""
     acc8 = warpgroup_mma(keys8, qt8, gl.zeros([_EPB, 64], gl.int32, layout=_acc8()), use_acc=False)
     # the per-head offset and weight from shared memory a tile: held in registers across the loop
     # they would take 32 a thread (the fallback tile's peak included)
-    k8 = gl.expand_dims(kw_s.index(0).load(gl.SliceLayout(0, _acc8())), 0)
-    wts8 = gl.expand_dims(kw_s.index(1).load(gl.SliceLayout(0, _acc8())).to(gl.float32, bitcast=True), 0)
+    k8 = gl.expand_dims(off_s.load(gl.SliceLayout(0, _acc8())), 0)
+    wts8 = gl.expand_dims(w_s.load(gl.SliceLayout(0, _acc8())).to(gl.float32, bitcast=True), 0)
     # ReLU(S) < 2^23 read as a float is the denormal ReLU(S) 2^-149, exact, and fp32 FMAs keep
     # denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with the key's factor
     f8 = gl.maximum(acc8 + k8, 0).to(gl.float32, bitcast=True)
@@ -417,6 +433,103 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
                  mask=offs < max_entries)
 
 
+@gluon.jit
+def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_desc, bt_ptr, vis_ptr, grp_ptr,
+                             s_qb, s_qh, s_wb, s_ob, s_bt, num_tiles, max_entries, max_blocks, out_scale, w_scale,
+                             NS: gl.constexpr, TOKENS: gl.constexpr, PDL: gl.constexpr):
+    """Program (g, p): rows r0 .. r0 + cnt - 1 of group g (grp[g] = (r0, cnt, request): up to TOKENS
+    consecutive prefill tokens of one request, `indexer_prefill.token_groups`) on the request's tiles
+    p, p + P, ..: each page copied and decoded once for all of the group's rows, then one MMA and
+    epilogue a row (its int8 queries, offsets and weights from `_q8_kernel`, a row a token). Row r
+    scores its first vis[r] entries, -inf past them. A tile whose keys are not narrow, or a group
+    with a row whose queries are not int8 integers, takes the bf16 MMA (each row's bf16 queries
+    stored in turn)."""
+    g = gl.program_id(0)
+    p0 = gl.program_id(1)
+    step = gl.num_programs(1)
+    r0 = gl.load(grp_ptr + 3 * g)
+    cnt = gl.load(grp_ptr + 3 * g + 1)
+    req = gl.load(grp_ptr + 3 * g + 2)
+    ns = ()
+    n_all = 0
+    for t in gl.static_range(TOKENS):
+        last = gl.minimum(r0 + t, r0 + cnt - 1)        # a short group's missing rows read its last (never stored)
+        n_t = gl.where(t < cnt, gl.minimum(gl.load(vis_ptr + last), max_entries), 0)
+        ns = ns + (n_t,)
+        n_all = gl.maximum(n_all, n_t)
+    mine = gl.cdiv(gl.maximum(gl.cdiv(n_all, _EPB) - p0, 0), step)
+    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
+    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()            # the barriers' initialisation before the copies use them
+    bt_row = bt_ptr + req.to(gl.int64) * s_bt
+    for i in gl.static_range(NS):   # the first NS pages in flight
+        if i < mine:
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
+    if PDL:                         # `_q8_kernel`'s results (the pages' copies above go out before it ends)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
+    q8_s = gl.allocate_shared_memory(gl.int8, [TOKENS, 64, 128], Q8_SL)
+    kw_s = gl.allocate_shared_memory(gl.int32, [2 * TOKENS, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
+    Q8_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    h8q = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, Q8_L)), 1)
+    k8q = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, Q8_L)), 0)
+    KW_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    q_fits = gl.load(fits_ptr + r0 * _Q8_BLOCKS) != 0
+    for t in gl.static_range(TOKENS):
+        row = gl.minimum(r0 + t, r0 + cnt - 1).to(gl.int64)
+        q8_s.index(t).store(gl.load(q8_ptr + row * 8192 + h8q * 128 + k8q))
+        for i in gl.static_range(2):
+            kw_s.index(2 * t + i).store(gl.load(kw_ptr + row * 128 + i * 64 + gl.arange(0, 64, layout=KW_L)))
+        for j in gl.static_range(_Q8_BLOCKS):     # every head block's flag (scalar loads)
+            q_fits = q_fits & (gl.load(fits_ptr + row * _Q8_BLOCKS + j) != 0)
+    fence_async_shared()            # the queries' generic-proxy stores before the MMAs' async-proxy reads
+    _barrier()
+    ACC: gl.constexpr = _acc()
+    h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+    for it in range(0, mine):
+        s = it % NS
+        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
+        mbarrier.wait(ready.index(s), (it // NS) & 1)
+        words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, True)
+        _barrier()                  # every warp has read stage s ...
+        if it + NS < mine:          # ... so it refills, NS tiles ahead
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+        tile0 = (p0 + it * step) * _EPB
+        if narrow & q_fits:
+            keys8, glob8 = _decode8(words, srow, srow_acc)
+            for t in gl.static_range(TOKENS):
+                if t < cnt:
+                    _scores8(keys8, glob8, q8_s.index(t).permute((1, 0)), kw_s.index(2 * t), kw_s.index(2 * t + 1),
+                             out_ptr + (r0 + t).to(gl.int64) * s_ob, tile0, ns[t], max_entries, out_scale)
+        else:
+            keys, glob = _decode(words, srow, srow_acc)
+            for t in gl.static_range(TOKENS):
+                if t < cnt:
+                    _store_q16(q_s, q_ptr, r0 + t, s_qb, s_qh)
+                    fence_async_shared()
+                    _barrier()
+                    wts = gl.expand_dims(gl.load(w_ptr + (r0 + t) * s_wb + h).to(gl.float32) * w_scale, 0)
+                    _scores16(keys, glob, q_s.permute((1, 0)), wts, out_ptr + (r0 + t).to(gl.int64) * s_ob, tile0,
+                              ns[t], max_entries, out_scale)
+                    _barrier()      # every warp's MMA has read q_s before the next row's queries go in
+    # tiles past every row's entries: -inf only
+    rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
+    nt = gl.cdiv(n_all, _EPB)
+    first = p0 + gl.cdiv(gl.maximum(nt - p0, 0), step) * step
+    for tile in range(first, num_tiles, step):
+        offs = tile * _EPB + rows
+        for t in gl.static_range(TOKENS):
+            if t < cnt:
+                gl.store(out_ptr + (r0 + t).to(gl.int64) * s_ob + offs,
+                         gl.full([_EPB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC)),
+                         mask=offs < max_entries)
+
+
 @triton.jit
 def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale, HB: tl.constexpr,
                PDL: tl.constexpr):
@@ -489,17 +602,44 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     if gmax is not None:
         assert gmax.shape == (bsz, nprog * EPB) and gmax.dtype == torch.int32 and gmax.stride(1) == 1
     d_desc, s_desc = _descriptors(data, scale)
-    q8 = torch.empty(bsz, 64, 128, dtype=torch.int8, device=q.device)
-    kw = torch.empty(bsz, 128, dtype=torch.int32, device=q.device)
-    fits = torch.empty(bsz, Q8_BLOCKS, dtype=torch.int32, device=q.device)
     chain = int8 and pdl(q.device)    # the scan set up while `_q8_kernel` runs
-    if int8:
-        _q8_kernel[(bsz, Q8_BLOCKS)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0),
-                                     weight_scale, HB=64 // Q8_BLOCKS, PDL=chain, num_warps=4,
-                                     **({"launch_pdl": True} if chain else {}))
+    q8, kw, fits = _queries8(q, weights, weight_scale, chain, run=int8)
     return _scan_tma_kernel[(bsz, nprog)](
         q, weights, q8, kw, fits, out, gmax if gmax is not None else kw, d_desc, s_desc, block_table, num_entries,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0,
         block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
         NS=stages, INT8=int8, GMAX=gmax is not None, PDL=chain, num_warps=4,
         maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG), **({"launch_pdl": True} if chain else {}))
+
+
+def _queries8(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, chain: bool, run: bool = True):
+    """`_q8_kernel` over q's rows (run=False: the buffers alone, never read): q8 [R, 64, 128] int8,
+    kw [R, 128] int32, fits [R, Q8_BLOCKS] int32."""
+    rows = q.shape[0]
+    q8 = torch.empty(rows, 64, 128, dtype=torch.int8, device=q.device)
+    kw = torch.empty(rows, 128, dtype=torch.int32, device=q.device)
+    fits = torch.empty(rows, Q8_BLOCKS, dtype=torch.int32, device=q.device)
+    if run:
+        _q8_kernel[(rows, Q8_BLOCKS)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0),
+                                      weight_scale, HB=64 // Q8_BLOCKS, PDL=chain, num_warps=4,
+                                      **({"launch_pdl": True} if chain else {}))
+    return q8, kw, fits
+
+
+def launch_prefill(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torch.Tensor,
+                   scale: torch.Tensor, block_table: torch.Tensor, visible: torch.Tensor, groups: torch.Tensor,
+                   max_entries: int, weight_scale: float, *, tokens: int, programs: int = 1, stages: int = STAGES,
+                   maxnreg: int | None = None):
+    """Scores of a prefill chunk's rows q [T, 64, 128] (fp32 or bf16, rounded to mxfp4) into out [T,
+    max_entries] fp32 (`_prefill_scan_tma_kernel`): groups [G, 3] int32 as `indexer_prefill.token_groups`
+    with at most `tokens` rows each, visible [T] int32, block_table rows per request."""
+    tiles = triton.cdiv(max_entries, EPB)
+    nprog = programs_per_request(programs, max_entries)
+    d_desc, s_desc = _descriptors(data, scale)
+    chain = pdl(q.device)       # the scan set up while `_q8_kernel` runs
+    q8, kw, fits = _queries8(q, weights, weight_scale, chain)
+    return _prefill_scan_tma_kernel[(groups.shape[0], nprog)](
+        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, visible, groups,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries,
+        block_table.shape[1], 128 ** -0.5, weight_scale, NS=stages, TOKENS=tokens, PDL=chain, num_warps=4,
+        maxnreg=maxnreg or PREFILL_MAXNREG, **({"launch_pdl": True} if chain else {}))
