@@ -162,6 +162,24 @@ def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
     tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
 
 
+@gluon.jit
+def _first_pages(d_desc, s_desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS: gl.constexpr):
+    """The NS page stages and their barriers, the program's first NS pages (tiles p0, p0 + step, ..
+    of the `mine` it scans, in request req's block-table row) in flight; returns the stages, the
+    barriers and that row."""
+    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
+    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()            # the barriers' initialisation before the copies use them
+    bt_row = bt_ptr + req.to(gl.int64) * s_bt
+    for i in gl.static_range(NS):
+        if i < mine:
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
+    return raw_d, raw_s, ready, bt_row
+
+
 # One key word -> four bf16x2 (pack = 4: $4-$7 the word, $8-$11 the bf16x2 factor 2^(126 + e_g - e_max)
 # of its scale group). Pair j is codes j and j + 4 (bits 4 j and 4 j + 16: one mask takes both, and
 # codes 2-3 / 6-7 come from the word shifted right a byte); times 2^6 + 2^12 (2^2 + 2^8 for the odd
@@ -353,16 +371,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
     Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
-    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()            # the barriers' initialisation before the copies use them
-    bt_row = bt_ptr + b.to(gl.int64) * s_bt
-    for i in gl.static_range(NS):   # the first NS pages in flight
-        if i < mine:
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
+    raw_d, raw_s, ready, bt_row = _first_pages(d_desc, s_desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
 
     ACC: gl.constexpr = _acc()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
@@ -458,16 +467,7 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_
         ns = ns + (n_t,)
         n_all = gl.maximum(n_all, n_t)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_all, _EPB) - p0, 0), step)
-    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()            # the barriers' initialisation before the copies use them
-    bt_row = bt_ptr + req.to(gl.int64) * s_bt
-    for i in gl.static_range(NS):   # the first NS pages in flight
-        if i < mine:
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
+    raw_d, raw_s, ready, bt_row = _first_pages(d_desc, s_desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS)
     if PDL:                         # `_q8_kernel`'s results (the pages' copies above go out before it ends)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
