@@ -239,6 +239,21 @@ def _load(raw_d, raw_s, s, INT8: gl.constexpr):
 
 
 @gluon.jit
+def _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine, max_blocks, NS: gl.constexpr,
+               INT8: gl.constexpr):
+    """The program's tile `it` from its stage (`_load`), once its copies land; the stage then refills
+    with the page NS tiles ahead."""
+    s = it % NS
+    blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
+    mbarrier.wait(ready.index(s), (it // NS) & 1)
+    words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, INT8)
+    _barrier()                  # every warp has read stage s ...
+    if it + NS < mine:          # ... so it refills, NS tiles ahead
+        _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+    return words, srow, srow_acc, narrow
+
+
+@gluon.jit
 def _decode(words, srow, srow_acc):
     """A tile's words -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
     layout, columns in `_perm` order; 2^e_max a key in the accumulator's row layout)."""
@@ -406,13 +421,8 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
     GM_L: gl.constexpr = gl.SliceLayout(1, _acc8()) if INT8 else gl.SliceLayout(1, ACC)
     gm = gl.full([_EPB], -2147483648, gl.int32, layout=GM_L)       # the least key: a group with no score
     for it in range(0, mine):
-        s = it % NS
-        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
-        mbarrier.wait(ready.index(s), (it // NS) & 1)
-        words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, INT8)
-        _barrier()                  # every warp has read stage s ...
-        if it + NS < mine:          # ... so it refills, NS tiles ahead
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+        words, srow, srow_acc, narrow = _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine,
+                                                   max_blocks, NS, INT8)
         tile0 = (p0 + it * step) * _EPB
         if INT8:
             if narrow & q_fits:
@@ -492,13 +502,8 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_
     ACC: gl.constexpr = _acc()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
     for it in range(0, mine):
-        s = it % NS
-        blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
-        mbarrier.wait(ready.index(s), (it // NS) & 1)
-        words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, True)
-        _barrier()                  # every warp has read stage s ...
-        if it + NS < mine:          # ... so it refills, NS tiles ahead
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
+        words, srow, srow_acc, narrow = _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine,
+                                                   max_blocks, NS, True)
         tile0 = (p0 + it * step) * _EPB
         if narrow & q_fits:
             keys8, glob8 = _decode8(words, srow, srow_acc)
