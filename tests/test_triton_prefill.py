@@ -340,6 +340,21 @@ def test_grouped_scan_tma(tokens, programs):
     assert max_rel(got[fin], triton_grouped[fin]) <= 1e-6
 
 
+def test_grouped_scan_tma_refused_where_it_cannot_run():
+    """tma=True raises where the TMA prefill scan cannot run (here: 16 heads of 64, and no sm_90 GPU on
+    CPU tensors) instead of falling back; the default takes the Triton grouped scan there."""
+    mgr = KVCacheManager(tiny_config(), max_requests=1, num_blocks=4, device=DEVICES[0], kv_format="bf16",
+                         indexer_format="mxfp4", tokens_per_block=32)
+    sch, pool = mgr.schemas[1], mgr.paged[1]
+    args = (torch.randn(2, 16, sch.indexer_head_dim, device=DEVICES[0]), torch.randn(2, 16, device=DEVICES[0]),
+            pool.indexer, sch.indexer_format, torch.zeros(1, 4, dtype=torch.int32, device=DEVICES[0]),
+            torch.ones(2, dtype=torch.int32, device=DEVICES[0]),
+            torch.tensor([[0, 2, 0]], dtype=torch.int32, device=DEVICES[0]), 4, sch.entries_per_block)
+    with pytest.raises(FormatError, match="TMA"):
+        tri_indexer.grouped_scores(*args, tokens=2, tma=True)
+    assert tri_indexer.grouped_scores(*args, tokens=2).shape == (2, 4)
+
+
 def test_grouped_scan_refuses_other_formats():
     mgr = KVCacheManager(tiny_config(), max_requests=1, num_blocks=4, device="cpu", kv_format="bf16",
                          indexer_format="fp8", tokens_per_block=32)
