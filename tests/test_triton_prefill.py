@@ -340,6 +340,44 @@ def test_grouped_scan_tma(tokens, programs):
     assert max_rel(got[fin], triton_grouped[fin]) <= 1e-6
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("slice_rows", [None, 97])
+def test_prefill_indexer_topk_tma(slice_rows, monkeypatch):
+    """The prefill selection at V4 indexer shapes (64 heads of 128, mxfp4, 64 keys a page), which takes
+    the TMA prefill scan, against the same selection with the Triton grouped scan: two requests' chunks
+    after cached tokens (one whose visible entries cross 255 / 256 / 257), score buffers of 97 rows so
+    slices cut requests and groups. The same picks per token away from near-ties; visibility exactly."""
+    from test_triton_decode import cache
+
+    from dsv4.kernels.triton import indexer_scan_tma
+
+    dev = "cuda"
+    lens, chunk = (1040, 2100), (60, 170)
+    mgr, batch = cache("real", "bf16", "mxfp4", lens, dev)
+    sch, pool = mgr.schemas[1], mgr.paged[1]
+    fmt, epb = sch.indexer_format, sch.entries_per_block
+    pos, req, _ = _chunk_rows(lens, chunk, sch.compress_ratio, dev)
+    gen = torch.Generator().manual_seed(11)
+    q = fmt.round_query(torch.randn(len(pos), 64, sch.indexer_head_dim, generator=gen).to(dev)).bfloat16()
+    typed = fmt.typed(pool.indexer)
+    if not indexer_scan_tma.supported(q, typed["data"], typed["scale"], fmt.name, epb, 1):
+        pytest.skip("the TMA prefill scan needs an sm_90 GPU (Hopper), 64 indexer heads and 64 keys a page")
+    w = torch.randn(len(pos), 64, generator=gen).to(dev)
+    ne = tuple(n // sch.compress_ratio for n in lens)
+    args = (q, w, pool.indexer, fmt, batch.block_table, req.to(torch.int32), pos.to(torch.int32), chunk, ne,
+            sch.compress_ratio, 512, epb)
+    if slice_rows:
+        monkeypatch.setattr(tri_indexer, "_SCORE_BYTES", 4 * max(ne) * slice_rows)
+        monkeypatch.setattr(tri_indexer, "_MIN_ROWS", 1)
+    got = tri_indexer.prefill_indexer_topk(*args)
+    with monkeypatch.context() as m:
+        m.setattr(indexer_scan_tma, "supported", lambda *a, **k: False)
+        want = tri_indexer.prefill_indexer_topk(*args)
+    assert torch.equal(got < 0, want < 0)
+    same = (got.sort(1).values == want.sort(1).values).all(1)
+    assert same.float().mean() >= 0.99, same.float().mean()
+
+
 def test_grouped_scan_tma_refused_where_it_cannot_run():
     """tma=True raises where the TMA prefill scan cannot run (here: 16 heads of 64, and no sm_90 GPU on
     CPU tensors) instead of falling back; the default takes the Triton grouped scan there."""
