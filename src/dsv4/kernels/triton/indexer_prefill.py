@@ -4,8 +4,12 @@ A prefill token t of request b scores the first (t + 1) // m entries of b's keys
 tokens of one request see (nearly) the same keys, so E2M1 keys (mxfp4, nvfp4, the scan's
 formats) go through `indexer_scan._prefill_scan_kernel`: a program takes a group of up to
 TOKENS such tokens and decodes each key tile once for all of them (dots with two tokens'
-queries side by side). Other formats score one row per token with the decode kernel
-(`paged_indexer_scores`: block_table[b] and the token's count of visible entries).
+queries side by side). On sm_90, mxfp4 keys at V4's indexer shapes (64 heads of 128, 64 keys a
+page) take `indexer_scan_tma._prefill_scan_tma_kernel` instead: the same groups, each page copied by
+the tensor memory accelerator and decoded once, an int8 MMA a token where keys and queries allow it
+(H100, the chunk below: 1,666 against 1,947 µs; benchmarks/NOTES.md #213). Other formats score one
+row per token with the decode kernel (`paged_indexer_scores`: block_table[b] and the token's count
+of visible entries).
 
 Tokens are scored in slices so the [rows, N] score buffer stays within 256 MiB (an 8K chunk
 over 8K entries is one slice; at N = 256K entries, 256 rows), and each slice goes through the same

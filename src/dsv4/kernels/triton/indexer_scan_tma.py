@@ -55,6 +55,12 @@ filter bounds the k-th score from these instead of a pass over the scores for ma
 (`decode.decode_indexer_topk`); the scan pays +1.2-2.2 µs at 128K B = 64 for the running maxima
 (two spilled registers at 80), the step saves ~2 at 128K and ~14 at 1M (H100).
 
+`_prefill_scan_tma_kernel` runs the same pages for a prefill chunk (`indexer_prefill.grouped_scores`):
+a program a group of up to 4 consecutive tokens of one request (two programs a group), each page
+copied and decoded once for the group, then one MMA and epilogue a token (`_scores8` / `_scores16`,
+each token's int8 queries from `_q8_kernel`, one row a token). H100, the last 8K chunk of a 32K
+prompt: 1,666 µs against the Triton grouped scan's 1,947 (benchmarks/NOTES.md #213).
+
 Scores equal the pointer scan's to fp32 rounding (the same operands and fp32 accumulation; the
 dot's K order and the head sum's order differ; the int8 MMA's dots are exact). Static grid, no host
 reads: capturable in a CUDA graph.
