@@ -22,9 +22,12 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weights=False, dtype=torch.float32):
+def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weights=False, dtype=torch.float32,
+         no_wait=False):
     """Serve `schedule` (list of {request: n_tokens}); return per-request outputs (cat over steps).
-    fp8_weights: the projections DeepSeek ships in FP8 held as FP8 blocks (`quantize_weights`)."""
+    fp8_weights: the projections DeepSeek ships in FP8 held as FP8 blocks (`quantize_weights`).
+    no_wait: every forward runs with torch's sync debug mode at "error" (a host wait on the device
+    inside the layer raises)."""
     dev = torch.device("cuda")
     blk = AttentionSubBlock(cfg, layer).to(dev)
     blk.load_hf_state_dict({k: v.to(dev) for k, v in weights.items()})
@@ -56,7 +59,11 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weig
                 g.replay()
                 out = static_out.clone()
             else:
-                out = blk(x, batch, handle)
+                torch.cuda.set_sync_debug_mode("error" if no_wait else "default")
+                try:
+                    out = blk(x, batch, handle)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
         t0 = 0
         for r, n in step.items():
             outs[r].append(out[t0:t0 + n].float().cpu())
@@ -117,6 +124,20 @@ def test_triton_matches_hf_real_dims(layer, fmts):
         else:
             err = _rel_l2(tri[r], ref_q[r])
             assert err <= 2e-2, (r, err)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_forward_never_waits_on_the_device(layer):
+    """Prefill chunks (ragged, several requests) and decode steps enqueue without the host waiting on
+    the device: an engine's host runs ahead of the GPU. A wait inside a layer (a pageable copy, a
+    read of a device value) raises under sync debug mode "error". The first run compiles."""
+    cfg = real_dims_config()
+    w, xs, sched = _case(cfg, layer, {"a": 700, "b": 129, "c": 300}, 3)
+    sched = [{"a": 300, "b": 129, "c": 300}, {"a": 400}] + sched[1:]
+    first = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"))
+    checked = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), no_wait=True)
+    for r in xs:
+        assert _rel_l2(checked[r], first[r]) <= 1e-5, r
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2])

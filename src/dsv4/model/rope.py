@@ -59,8 +59,9 @@ class RopeTable:
 
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """[r/2] float64 inverse frequencies on `device` (copied once per device)."""
-        if device not in self._on:
-            self._on[device] = self.inv_freq.to(device)
+        if device not in self._on:   # pinned and asynchronous: a layer's first step must not wait on the device
+            src = self.inv_freq.pin_memory() if device.type == "cuda" else self.inv_freq
+            self._on[device] = src.to(device, non_blocking=True)
         return self._on[device]
 
 

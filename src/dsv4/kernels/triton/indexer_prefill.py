@@ -51,7 +51,10 @@ def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, dev
         for s in range(max(o, r0), min(o + n, r1), tokens):
             groups.append((s - r0, min(tokens, o + n - s, r1 - s), b))
         o += n
-    return torch.tensor(groups, dtype=torch.int32).reshape(-1, 3).to(device)
+    # Pinned and asynchronous: a pageable copy waits for the stream to drain, stalling the host that
+    # enqueues the layer (benchmarks/prefill_gaps.py: 1-2 waits a CSA prefill chunk before).
+    pin = torch.device(device).type == "cuda"
+    return torch.tensor(groups, dtype=torch.int32, pin_memory=pin).reshape(-1, 3).to(device, non_blocking=True)
 
 
 def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
