@@ -128,12 +128,14 @@ def test_triton_matches_hf_real_dims(layer, fmts):
 
 @pytest.mark.parametrize("layer", [0, 1, 2])
 def test_forward_never_waits_on_the_device(layer):
-    """Prefill chunks (ragged, several requests) and decode steps enqueue without the host waiting on
-    the device: an engine's host runs ahead of the GPU. A wait inside a layer (a pageable copy, a
-    read of a device value) raises under sync debug mode "error". The first run compiles."""
+    """Prefill chunks (ragged, several requests, one batch mixed) and decode steps enqueue without the
+    host waiting on the device: an engine's host runs ahead of the GPU. A wait inside a layer (a
+    pageable copy, a read of a device value) raises under sync debug mode "error". The first run
+    compiles."""
     cfg = real_dims_config()
     w, xs, sched = _case(cfg, layer, {"a": 700, "b": 129, "c": 300}, 3)
-    sched = [{"a": 300, "b": 129, "c": 300}, {"a": 400}] + sched[1:]
+    # a chunked prefill beside a decoding request (a mixed batch), then decode steps
+    sched = [{"a": 300, "b": 129, "c": 200}, {"a": 400, "b": 1, "c": 100}] + sched[2:]
     first = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"))
     checked = _run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), no_wait=True)
     for r in xs:

@@ -60,6 +60,10 @@ class RopeTable:
     def inv_freq_on(self, device: torch.device) -> torch.Tensor:
         """[r/2] float64 inverse frequencies on `device` (copied once per device)."""
         if device not in self._on:   # pinned and asynchronous: a layer's first step must not wait on the device
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a captured copy would read its pinned source again at every replay, long after it is freed
+                raise RuntimeError("RopeTable: first use on a device inside a CUDA graph capture; run one step "
+                                   "eagerly before capturing")
             src = self.inv_freq.pin_memory() if device.type == "cuda" else self.inv_freq
             self._on[device] = src.to(device, non_blocking=True)
         return self._on[device]
