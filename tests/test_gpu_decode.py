@@ -26,8 +26,8 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weig
          no_wait=False):
     """Serve `schedule` (list of {request: n_tokens}); return per-request outputs (cat over steps).
     fp8_weights: the projections DeepSeek ships in FP8 held as FP8 blocks (`quantize_weights`).
-    no_wait: every forward runs with torch's sync debug mode at "error" (a host wait on the device
-    inside the layer raises)."""
+    no_wait: admissions and every forward run with torch's sync debug mode at "error" (a host wait on
+    the device inside them raises)."""
     dev = torch.device("cuda")
     blk = AttentionSubBlock(cfg, layer).to(dev)
     blk.load_hf_state_dict({k: v.to(dev) for k, v in weights.items()})
@@ -36,8 +36,12 @@ def _run(cfg, layer, weights, xs, schedule, backend, fmts, graph=False, fp8_weig
     blk.to(dtype)
     mgr = KVCacheManager(cfg, max_requests=4, num_blocks=96, device=dev, kv_format=fmts[0], indexer_format=fmts[1],
                          tokens_per_block=256 if cfg.hca_compression_ratio == 128 else 32, backend=backend)
-    for r in xs:
-        mgr.add_request(r)
+    torch.cuda.set_sync_debug_mode("error" if no_wait else "default")
+    try:    # admission too: an engine admits requests while the GPU runs others' steps
+        for r in xs:
+            mgr.add_request(r)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     done = dict.fromkeys(xs, 0)
     outs = {r: [] for r in xs}
     graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}

@@ -112,7 +112,7 @@ class KVCacheManager:
             raise RequestError(f"request {request_id!r} is already active; free it first or use a new id")
         slot = self.slots.allocate()
         for st in self.states.values():  # a reused slot must not leak the previous request's state
-            st.reset_slots(torch.tensor([slot]))
+            st.reset_slots(slot)
         self.requests[request_id] = _Request(slot=slot)
         return slot
 

@@ -38,16 +38,17 @@ class StateCachePool:
             if schema.indexer_format is not None:
                 self.idx_state = torch.empty(max_requests, 3, p, schema.indexer_head_dim, dtype=torch.float32,
                                              device=dev)
-        self.reset_slots(torch.arange(max_requests, device=dev))
+        self.reset_slots(slice(None))
 
     @property
     def swa_entries(self) -> dict[str, torch.Tensor]:
         """Typed views of the window ring (see EntryFormat.typed)."""
         return self.schema.kv_format.typed(self.swa)
 
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        """Empty the given slots: no window entries, empty pending entries, head 0."""
-        slots = slots.to(self.device, torch.long)
+    def reset_slots(self, slots: int | slice) -> None:
+        """Empty the given slots (a slot or a slice of them): no window entries, empty pending entries,
+        head 0. Basic indexing only: fills of views, no index tensor copied to the device (a pageable
+        copy would make the host wait for the device at every admission)."""
         self.swa_pos[slots] = -1
         self.swa_head[slots] = 0
         self.swa_pages[slots] = 0
