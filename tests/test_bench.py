@@ -263,3 +263,26 @@ def test_missed_speedup_target_names_the_layers_byte_floor():
     assert "out of reach" not in fp8_hca["note"]
     assert got[("csa", False)]["met"] is True and got[("csa", False)]["note"] is None
     assert got[("csa", True)]["met"] is None and "no comparison number" in got[("csa", True)]["note"]
+
+
+@pytest.mark.gpu
+def test_time_regions_notes_host_waits():
+    """A prefill-style region whose host waits on the device (a device value read) gets a note saying
+    so; one that only enqueues kernels gets none (GPU: sync debug mode is CUDA's)."""
+    from dsv4.bench.common import BenchOptions
+    from dsv4.bench.timing import Timer
+
+    dev = torch.device("cuda")
+    timer = Timer(BenchOptions(device=dev, contexts=(), batches=(), layers=(), backends=(), prefill=0,
+                               prefill_chunk=0, warmup_ms=1, rep_ms=1))
+    x = torch.randn(1 << 16, device=dev)
+
+    def run(region, read: bool):
+        for _ in range(3):                  # three regions a run, as three chunks
+            region(lambda: (x * 2).sum().item() if read else (x * 2).sum())
+
+    waited = timer.time_regions(lambda region: run(region, True))
+    clean = timer.time_regions(lambda region: run(region, False))
+    assert waited.note is not None and "3x" in waited.note, waited.note
+    assert clean.note is None, clean.note
+    assert clean.mode == waited.mode == "device"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,13 +127,14 @@ class Timer:
         cuda = self.device.type == "cuda"
         flush = _flush_buffer(self.device) if cuda else None
         host_s = 1e-3                          # the host's enqueue time of the longest region so far
+        waits = 0                              # host waits on the device inside the calibration run's regions
 
         def one_run(ahead: bool, calibrate: bool = False) -> float:
             nonlocal host_s
             total = 0.0
 
             def region(fn: Callable[[], Any]) -> None:
-                nonlocal total, host_s
+                nonlocal total, host_s, waits
                 _sync(self.device)
                 if not cuda:
                     t0 = time.perf_counter()
@@ -145,9 +147,11 @@ class Timer:
                     torch.cuda._sleep(int(2e9 * 2 * host_s))    # ~2 GHz SM clock: twice the enqueue time
                 a.record()
                 t0 = time.perf_counter()
-                fn()
                 if calibrate:
+                    waits += _host_waits(fn)
                     host_s = max(host_s, time.perf_counter() - t0)
+                else:
+                    fn()
                 b.record()
                 b.synchronize()
                 total += 1e3 * a.elapsed_time(b)
@@ -165,8 +169,24 @@ class Timer:
             one_run(True)
         samples = [one_run(True) for _ in range(self.host_reps)]
         synced = [one_run(False) for _ in range(self.host_reps)] if cuda and synced_too else []
+        # A region whose host waits on the device lets the spin run out: its kernels after the wait
+        # go at the host's pace, so the row is not device time alone (benchmarks/prefill_gaps.py)
+        note = f"the host waited on the device {waits}x inside a run's regions" if waits else None
         return Timing(us=statistics.median(samples), mode="device" if cuda else "host",
-                      us_eager=statistics.median(synced) if synced else None)
+                      us_eager=statistics.median(synced) if synced else None, note=note)
+
+
+def _host_waits(fn: Callable[[], Any]) -> int:
+    """Run fn() (CUDA), counting the synchronizing calls torch makes inside it (sync debug mode "warn")."""
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    return sum("synchronizing" in str(w.message) for w in seen)
 
 
 def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
