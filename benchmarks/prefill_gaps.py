@@ -24,6 +24,7 @@ from dsv4.cache.manager import KVCacheManager
 from dsv4.cache.schema import block_fill_ratio, blocks_needed, build_schemas
 
 DEV = torch.device("cuda")
+#: host calls listed per region: the waits (synchronize), and copies, fills and allocations that may wait
 _WAITS = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaMemset")
 
 
@@ -34,7 +35,6 @@ def main() -> None:
     ap.add_argument("--layer", choices=tuple(LAYER_INDEX), default="csa")
     ap.add_argument("--runs", type=int, default=4, help="whole prefills; the last is profiled")
     ap.add_argument("--spin-ms", type=float, default=20.0)
-    ap.add_argument("--stacks", action="store_true", help="also print where each kind of host wait comes from")
     args = ap.parse_args()
     cfg, tpb = bench_config(False)
     li = LAYER_INDEX[args.layer]
@@ -72,7 +72,7 @@ def main() -> None:
     with torch.no_grad():
         for i in range(args.runs - 1):
             print(f"run {i}: {sum(us for _, us in one_run()):.1f} µs of events")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stacks) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             timed = one_run()
     ev = list(prof.events())
     cpu_kind, gpu_kind = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -84,7 +84,7 @@ def main() -> None:
     host = [e for e in ev if e.device_type == cpu_kind and any(w in e.name for w in _WAITS)]
     spins = [g for g in gpu if "sleep" in g.name.lower() or "spin" in g.name.lower()]
     print(f"{args.layer} prefill of {args.prefill} in chunks of {args.chunk}: µs per chunk")
-    print(f"{'from':>7} {'event':>9} {'kernels':>9} {'idle':>8} {'host':>8}  host waits inside the region")
+    print(f"{'from':>7} {'event':>9} {'kernels':>9} {'idle':>8} {'host':>8}  host calls inside the region")
     total = [0.0, 0.0, 0.0]
     for (t0, us), r, spin in zip(timed, regions, spins, strict=True):
         lo, hi = r.time_range.start, r.time_range.end
@@ -103,14 +103,6 @@ def main() -> None:
         total[1] += busy
         total[2] += idle
     print(f"{'sum':>7} {total[0]:9.1f} {total[1]:9.1f} {total[2]:8.1f}")
-    if args.stacks:
-        seen = set()
-        for e in host:
-            frames = tuple(f for f in (e.stack or ()) if "dsv4" in f)[:6]
-            if (e.name, frames) not in seen and any(lo <= e.time_range.start <= hi for lo, hi in
-                                                    ((r.time_range.start, r.time_range.end) for r in regions)):
-                seen.add((e.name, frames))
-                print(f"\n{e.name}:\n  " + "\n  ".join(frames))
 
 
 if __name__ == "__main__":
