@@ -1,9 +1,10 @@
 """Where a chunked prefill's timed regions lose time (CUDA only): per chunk, the CUDA-event time the
 bench sums (`Timer.time_regions`: L2 flushed by a read, the chunk queued behind a spin), the
-kernels' summed device time, the device's idle time inside the region, and the host calls that wait
-on the device or the driver inside it (synchronize, blocking copies, cudaMalloc / cudaFree).
+kernels' summed device time (side streams' overlap counted twice), the device's idle time inside the
+region, and the host calls inside it that wait or may wait on the device (synchronize, copies, fills,
+cudaMalloc / cudaFree). The last of --runs whole prefills is profiled.
 
-    python benchmarks/prefill_gaps.py [--prefill 65536] [--chunk 8192] [--layer csa] [--runs 2]
+    python benchmarks/prefill_gaps.py [--prefill 65536] [--chunk 8192] [--layer csa] [--runs 4]
 
 A region whose event time exceeds its kernel time by more than launch gaps has the host waiting on
 the device inside it: the kernels enqueued after the wait run at the host's pace, not back to back.
