@@ -54,6 +54,10 @@ def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, dev
     # Pinned and asynchronous: a pageable copy waits for the stream to drain, stalling the host that
     # enqueues the layer (benchmarks/prefill_gaps.py: 1-2 waits a CSA prefill chunk before).
     pin = torch.device(device).type == "cuda"
+    if pin and torch.cuda.is_current_stream_capturing():
+        # a captured copy would read its pinned source again at every replay, long after it is freed
+        raise RuntimeError("prefill indexer: a prefill chunk cannot be captured in a CUDA graph (its token "
+                           "groups are planned on the host); capture decode steps only")
     return torch.tensor(groups, dtype=torch.int32, pin_memory=pin).reshape(-1, 3).to(device, non_blocking=True)
 
 
