@@ -49,6 +49,8 @@ class StateCachePool:
         """Empty the given slots (a slot or a slice of them): no window entries, empty pending entries,
         head 0. Basic indexing only: fills of views, no index tensor copied to the device (a pageable
         copy would make the host wait for the device at every admission)."""
+        if isinstance(slots, int):   # a 0-dim target takes a scalar as a host-to-device copy, not a fill
+            slots = slice(slots, slots + 1)
         self.swa_pos[slots] = -1
         self.swa_head[slots] = 0
         self.swa_pages[slots] = 0

@@ -64,7 +64,9 @@ class RopeTable:
                 # a captured copy would read its pinned source again at every replay, long after it is freed
                 raise RuntimeError("RopeTable: first use on a device inside a CUDA graph capture; run one step "
                                    "eagerly before capturing")
-            src = self.inv_freq.pin_memory() if device.type == "cuda" else self.inv_freq
+            src = self.inv_freq   # may already be on a device (a model built under `with torch.device(...)`)
+            if device.type == "cuda" and src.device.type == "cpu":
+                src = src.pin_memory()
             self._on[device] = src.to(device, non_blocking=True)
         return self._on[device]
 
