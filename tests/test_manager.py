@@ -389,3 +389,30 @@ def vars_of(st) -> dict[str, torch.Tensor]:
     if st.idx_state is not None:
         out["idx_state"] = st.idx_state
     return out
+
+
+def test_planning_ignores_a_default_device_context():
+    """A caller inside `with torch.device(...)` (as a model is often built) still gets the manager's
+    host buffers, plans and block tables on the host: nothing lands on the context's device."""
+    steps = [{"a": 70, "b": 5}, {"a": 1, "b": 40}, {"a": 1, "b": 1}]
+    plain, ctx = tiny(), None
+    with torch.device("meta"):
+        ctx = tiny()
+    for mgr in (plain, ctx):
+        mgr.add_request("a")
+        mgr.add_request("b")
+    for step in steps:
+        want = plain.prepare_forward(step)
+        with torch.device("meta"):
+            got = ctx.prepare_forward(step)
+        for name in ("positions", "token_request", "cu_seqlens", "seq_lens", "request_slots", "block_table",
+                     "block_lens"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert b.device.type == "cpu" and a.device.type == "cpu", name
+            assert torch.equal(a, b), name
+        assert got.visible_entries.keys() == want.visible_entries.keys()
+        for k in want.visible_entries:
+            assert torch.equal(got.visible_entries[k], want.visible_entries[k]), k
+        assert got.compress_plans.keys() == want.compress_plans.keys()
+        for k in want.compress_plans:
+            assert torch.equal(got.compress_plans[k].table, want.compress_plans[k].table), k

@@ -139,7 +139,7 @@ class KVCacheManager:
         self._ratios = sorted({s.compress_ratio for s in self.schemas if s.compress_ratio})
         self._kinds = sorted({(s.compress_ratio, s.attn_type is AttentionType.CSA)      # (ratio, overlap)
                               for s in self.schemas if s.compress_ratio})
-        i32 = {"dtype": torch.int32}
+        i32 = {"dtype": torch.int32, "device": "cpu"}   # host buffers even under a `with torch.device(...)`
         r, t, mb = self.max_requests, self.max_batch_tokens, self.max_blocks_per_request
         pin = self.device.type == "cuda"
         self._host = {
@@ -209,7 +209,7 @@ class KVCacheManager:
             req = self.requests[rid]
             start = req.seq_len
             req.seq_len += n
-            h["positions"][t:t + n] = torch.arange(start, start + n, dtype=torch.int32)
+            h["positions"][t:t + n] = torch.arange(start, start + n, dtype=torch.int32, device="cpu")
             h["token_request"][t:t + n] = b
             t += n
             h["cu_seqlens"][b + 1] = t
@@ -219,7 +219,7 @@ class KVCacheManager:
             for i, m in enumerate(self._ratios):
                 h["entries"][i, b] = req.seq_len // m
             if req.blocks:
-                h["block_table"][b, :len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+                h["block_table"][b, :len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32, device="cpu")
             qlens.append(n), slens.append(req.seq_len), slots.append(req.slot), blens.append(len(req.blocks))
         sizes = {"positions": t_count, "token_request": t_count, "cu_seqlens": b_count + 1, "seq_lens": b_count,
                  "request_slots": b_count, "block_lens": b_count, "block_table": b_count}
@@ -245,7 +245,7 @@ class KVCacheManager:
         sizes = []
         for i, (ratio, overlap) in enumerate(self._kinds):
             ints, n_mid, n_fin = plan_ints(starts, qlens, ratio, overlap)
-            h[i, :n] = torch.tensor(ints, dtype=torch.int32)
+            h[i, :n] = torch.tensor(ints, dtype=torch.int32, device="cpu")
             sizes.append((n_mid, n_fin))
         d[:, :n].copy_(h[:, :n], non_blocking=True)
         return {(ratio, overlap): CompressPlan(ratio, overlap, starts, qlens, d[i, :n], *sizes[i])

@@ -63,5 +63,6 @@ def make_plan(start_positions: tuple[int, ...], query_lens: tuple[int, ...], rat
     """A plan with its own table copy (one pinned asynchronous host-to-device copy on CUDA)."""
     ints, n_mid, n_fin = plan_ints(start_positions, query_lens, ratio, overlap)
     dev = torch.device(device)
-    table = torch.tensor(ints, dtype=torch.int32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    host = torch.tensor(ints, dtype=torch.int32, device="cpu", pin_memory=dev.type == "cuda")
+    table = host.to(dev, non_blocking=True)
     return CompressPlan(ratio, overlap, tuple(start_positions), tuple(query_lens), table, n_mid, n_fin)

@@ -58,7 +58,8 @@ def token_groups(query_lens: tuple[int, ...], r0: int, r1: int, tokens: int, dev
         # a captured copy would read its pinned source again at every replay, long after it is freed
         raise RuntimeError("prefill indexer: a prefill chunk cannot be captured in a CUDA graph (its token "
                            "groups are planned on the host); capture decode steps only")
-    return torch.tensor(groups, dtype=torch.int32, pin_memory=pin).reshape(-1, 3).to(device, non_blocking=True)
+    host = torch.tensor(groups, dtype=torch.int32, device="cpu", pin_memory=pin).reshape(-1, 3)
+    return host.to(device, non_blocking=True)
 
 
 def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, torch.Tensor], fmt,
