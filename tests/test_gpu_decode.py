@@ -222,6 +222,28 @@ def test_split_query_up_projection(fp8_weights, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8_weights", [False, True])
+def test_csa_one_row_q_on_table_branch(fp8_weights, monkeypatch):
+    """A CSA decode step of one row normalises the attention's q on the table branch
+    (`Q_ON_TABLE_ROWS`) instead of the side branch: the same kernels on the same inputs, so the same
+    output bits, eager and replayed (the capture also fails if the branch is not joined before the end)."""
+    from dsv4.attention import decode_path
+    from dsv4.model.layer_schedule import AttentionType
+    cfg = real_dims_config()
+    layer = 1
+    assert cfg.layer_schedule()[layer].attn is AttentionType.CSA
+    w, xs, sched = _case(cfg, layer, {"a": 250}, 8, seed=7)          # decode rows 250 .. 257: one at a time
+    kw = {"fp8_weights": fp8_weights, "dtype": torch.bfloat16}
+    calls = _count_calls(monkeypatch, AttentionSubBlock, "queries")
+    on_table = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
+    assert len(calls) >= 8
+    monkeypatch.setattr(decode_path, "Q_ON_TABLE_ROWS", 0)
+    on_side = [_run(cfg, layer, w, xs, sched, "triton", ("fp8_ds", "mxfp4"), graph=g, **kw) for g in (False, True)]
+    for g in range(2):
+        assert torch.equal(on_table[g]["a"], on_side[g]["a"]), g
+    assert torch.equal(on_table[0]["a"], on_table[1]["a"])
+
+
+@pytest.mark.parametrize("fp8_weights", [False, True])
 def test_hca_one_row_urgent_branches(fp8_weights, monkeypatch):
     """An HCA decode step of one row normalises q_a inside the q up-projection's GEMV and runs its
     side branches on urgent streams: the priority changes no output bit (eager and replayed); the

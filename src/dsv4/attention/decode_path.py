@@ -18,7 +18,8 @@ On CUDA the step runs on three streams (a CUDA graph captures them as parallel b
     table  cos/sin of the positions; HCA (WINDOW_ON_TABLE): then kv norm/RoPE -> window append
     side   CSA indexer compressor -> key write -> main compressor -> entry write (entry
            norm/RoPE inside the writes); CSA: -> [cos/sin ready] kv norm/RoPE -> window append,
-           then, once the GEMM is done, q norm/RoPE (at SPLIT_QUERY_UP rows on `up` instead)
+           then, once the GEMM is done, q norm/RoPE (at SPLIT_QUERY_UP rows on `up` instead, up
+           to Q_ON_TABLE_ROWS rows on `table`)
     join   -> attention (its split combine also applies the inverse RoPE and writes the output
            projection's dtype)
     prefetch  (HCA, one row) after the q_b GEMM: the output projection's weights asked into the
@@ -145,11 +146,14 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     prefetching = sch.attn_type is AttentionType.HCA and \
         prefetch_weights(blk.output_weights(), b.num_requests, ops, PREFETCH_L2_SHARE)
     if csa and up_branch is None:
-        # the scan's queries on this stream; the attention's on the side branch, beside the scan
+        # the scan's queries on this stream; the attention's beside the scan: on the table branch
+        # (idle once cos/sin are done) up to Q_ON_TABLE_ROWS rows, else on the side branch, after its
+        # compressors and window append
         up_ready = _recorded(main)
-        with on(side):
+        q_stream = table if rows <= Q_ON_TABLE_ROWS else side
+        with on(q_stream):
             if up_ready is not None:
-                side.wait_event(up_ready)
+                q_stream.wait_event(up_ready)
             q = blk.queries(q_up, cos, sin, ops, out_dtype=q_dtype)
     if table_ready is not None:
         main.wait_event(table_ready)
@@ -242,6 +246,14 @@ SPLIT_INPUT_GEMMS = {AttentionType.CSA: 1, AttentionType.HCA: 2}
 #: branch's indexer compressor and key write, which the scan waits for; forking the branch beside
 #: the indexer's GEMM, or after the keys, measured no better)
 SPLIT_QUERY_UP = (2, 32)
+
+#: CSA decode rows up to which the attention's q norm/RoPE runs on the table branch (idle after cos/sin)
+#: instead of the side branch, where it queued behind the compressors and the window append and was
+#: the last kernel before the join (one row: side branch ends 67.5 µs, the top-k 65.0). H100, 128K,
+#: BF16 / FP8 weights, µs, trees alternated (benchmarks/NOTES.md #220): B = 1 123.1 / 87.1, 122.9 / 86.7
+#: -> 122.1 / 87.0, 122.3 / 87.0; at B = 64 it competes with the scan for SMs: BF16 249.0-249.7 ->
+#: 254.2-254.3 (FP8 even), so more rows keep the side branch
+Q_ON_TABLE_ROWS = 1
 
 #: layer types whose q up-projection applies the q_a norm itself (`query_up_normed`: inside a one-row
 #: GEMV, so no norm kernel runs between the input projections and it; more rows run the norm kernel
