@@ -291,3 +291,60 @@ def test_time_regions_notes_host_waits():
     assert waited.note is not None and "3x" in waited.note, waited.note
     assert clean.note is None, clean.note
     assert clean.mode == waited.mode == "device"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cache_row_branches_equal_the_ops_in_order(kind):
+    """The cache row runs its ops on the decode step's branches. Eager and replayed from a CUDA graph,
+    it must return the same attention output and leave the same cache and state bytes as the same
+    ops one after another: no branch may read what another has not written yet. V4-Flash shapes,
+    8 requests at position 4,095, where both compressors finish an entry. Each compressor starts only
+    after a spin of ~30 µs on its stream, so a missing wait for its results shows as a wrong read."""
+    import types
+
+    from dsv4.bench.decode import op_closures
+    from dsv4.kernels.dispatch import ops_for
+
+    dev = torch.device("cuda")
+    cfg, tpb = bench_config(quick=False)
+    st = build_decode_state(cfg, context=4096, batch=8, device=dev, tokens_per_block=tpb, kv_format="fp8_ds",
+                            indexer_format="mxfp4", seed=3)
+    li = LAYER_INDEX[kind]
+    ops = types.SimpleNamespace(**vars(ops_for(dev, "triton")))
+    compress = ops.compress_decode
+
+    def late_compress(*args, **kwargs):
+        torch.cuda._sleep(50_000)
+        return compress(*args, **kwargs)
+
+    ops.compress_decode = late_compress
+    fns = op_closures(make_block(cfg, li, dev), st, ops, li)
+    ring, pool = st.mgr.states[li], st.mgr.paged[li]
+    bufs = [t for t in (ring.swa_pages, ring.swa_pos, ring.swa_head, ring.comp_state, ring.idx_state,
+                        pool.kv_pages, pool.indexer_pages) if t is not None]
+    start = [t.clone() for t in bufs]
+
+    def from_start(run) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for t, s in zip(bufs, start):
+            t.copy_(s)
+        out = run().clone()
+        torch.cuda.synchronize()
+        return out, [t.clone() for t in bufs]
+
+    want, want_bufs = from_start(lambda: fns["cache"](branches=False))
+    assert torch.isfinite(want.float()).all()
+    assert any(not torch.equal(a, b) for a, b in zip(want_bufs, start)), "the ops wrote nothing"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fns["cache"]()                          # warm-up off the capturing stream, as PyTorch asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fns["cache"]()
+    for run in (fns["cache"], lambda: (graph.replay(), replayed)[1]):
+        got, got_bufs = from_start(run)
+        assert torch.equal(got, want)
+        for a, b in zip(got_bufs, want_bufs):
+            assert torch.equal(a, b)

@@ -10,7 +10,13 @@ both layers and every implementation; per layer:
                                                                   and indexer compressors), as the layer runs it
     indexer     decode_indexer_topk (scores + top-k)          CSA only
     attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
-    cache       the four above in sequence                    "cache-side decode work"
+    cache       the four above on the decode step's branches  "cache-side decode work": the compressors
+                                                                  on a side branch (CSA: the indexer's
+                                                                  first, whose keys the scan waits for),
+                                                                  the window append after them (CSA) or on
+                                                                  a branch of its own (HCA), the scan on the
+                                                                  main stream, the attention after the join,
+                                                                  as `attention.decode_path` runs them
     layer       AttentionSubBlock.forward                     projections included
     layer (triton-fp8w)  the same, its projections as the checkpoint's FP8 blocks (Triton only)
     layer (hf)  transformers DeepseekV4Attention.forward      bf16 eager, synthesised DynamicCache
@@ -29,11 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsv4.attention.decode_path import URGENT_BRANCHES, WINDOW_ON_TABLE
 from dsv4.bench.common import FP8_IMPL, LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, decode_work
 from dsv4.bench.setup import DecodeState, acquire, build_decode_state, cache_bytes
 from dsv4.bench.timing import Timing, free_memory, guarded
 from dsv4.kernels.reference.cache_ops import EntryWrite
+from dsv4.kernels.streams import on, side_stream
+from dsv4.model.layer_schedule import AttentionType
 
 if TYPE_CHECKING:
     import types
@@ -151,10 +160,16 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     if csa:
         iwrite = EntryWrite(pool.indexer, ifmt, b.block_table, epb, idx.finisher(blk.rope, dev))
 
-    def flush() -> None:
+    def flush_main() -> None:
         ops.compress_decode(c, z, st.comp_state, b.request_slots, b.positions, ratio, csa, write=write)
+
+    def flush_indexer() -> None:
+        ops.compress_decode(ci, zi, st.idx_state, b.request_slots, b.positions, ratio, True, write=iwrite)
+
+    def flush() -> None:
+        flush_main()
         if csa:
-            ops.compress_decode(ci, zi, st.idx_state, b.request_slots, b.positions, ratio, True, write=iwrite)
+            flush_indexer()
 
     def indexer() -> torch.Tensor:
         return ops.decode_indexer_topk(qi, g, pool.indexer, ifmt, b.block_table, num_entries, max_entries, epb,
@@ -172,10 +187,40 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
         selected = random_selection(n, state.context // ratio, idx.topk, dev, gen)
     fns["attention"] = lambda: attention(selected)
 
-    def cache() -> None:
-        fns["append"]()
-        flush()
-        attention(indexer() if csa else None)
+    kind = AttentionType.CSA if csa else AttentionType.HCA
+    urgent, window_on_table = kind in URGENT_BRANCHES, kind in WINDOW_ON_TABLE
+
+    def cache(branches: bool = True) -> torch.Tensor:
+        """The attention's output after all four ops. The ops are independent but for the scan (the
+        indexer's new keys) and the attention (all of them): the step overlaps them on its branches,
+        and so does this row (off CUDA, or branches=False: one after another, the tests' twin)."""
+        if not branches:
+            fns["append"]()
+            flush()
+            return attention(indexer() if csa else None)
+        side, table = side_stream(dev, urgent=urgent), side_stream(dev, 1, urgent=urgent)
+        main = torch.cuda.current_stream(dev) if side is not None else None
+        if side is not None:
+            side.wait_stream(main)
+            table.wait_stream(main)
+        keys_ready = None
+        with on(side):
+            if csa:
+                flush_indexer()
+                keys_ready = side.record_event() if side is not None else None
+            flush_main()
+            if not window_on_table:
+                fns["append"]()
+        with on(table):
+            if window_on_table:
+                fns["append"]()
+        if keys_ready is not None:
+            main.wait_event(keys_ready)
+        sel = indexer() if csa else None
+        if side is not None:
+            main.wait_stream(side)
+            main.wait_stream(table)
+        return attention(sel)
 
     fns["cache"] = cache
     return fns
