@@ -46,8 +46,10 @@ words: no barrier) or a request whose queries are not such integers runs the bf1
 at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
 the max run at half the FMA pipe's rate) grew. Six programs an SM with the factors in shared memory,
 against four with them in registers: -1 to -2% (H100, 128K B = 64 93.3-93.9 -> 91.4-92.5 µs, 1M
-624-626 -> 611-620). The scan is compute-bound: its page copies alone take 42-45% of its time
-(`benchmarks/scan_floor.py`).
+624-626 -> 611-620). The decode's join of its two lookups and the epilogue's offset and ReLU are
+written so that ptxas issues them on the FMA pipe (IMAD.IADD, FADD.SAT) instead of the ALU pipe that
+the lookups keep busy: -1.5% at 128K B = 64, -3% at 1M (`_RELU_DENORMAL_ASM`). The scan is
+compute-bound: its page copies alone take 42-45% of its time (`benchmarks/scan_floor.py`).
 
 With `gmax` (GMAX) each program also keeps the maxima of its 64 row slots over its tiles (groups of
 entries 64 P apart, P programs a request) and stores them as the top-k's int32 keys: the top-k's
@@ -206,10 +208,20 @@ _E2M1_WORD_ASM = gl.constexpr("{\n.reg .b32 h, x;\nshr.b32 h, $4, 8;\n"
 # the negative table's). `prmt` picks byte m of a table for a code of magnitude m; where the
 # selector nibble's bit 3 (the code's sign) is set it writes the picked byte's sign instead: 0, as
 # every table byte is below 128. So the positive table gives the positive codes (0 for the others),
-# the negative one under flipped signs the negative codes (0 for the others), and their OR the key's
-# byte: 4 instructions for four codes.
+# the negative one under flipped signs the negative codes (0 for the others), and their sum the key's
+# byte (one of each pair of bytes is 0: no carries): 4 instructions for four codes. A sum, not an OR:
+# ptxas issues it as IMAD.IADD on the FMA pipe, where the OR took the ALU pipe beside the prmt and xor.
 _E2M1_INT8_ASM = gl.constexpr("{\n.reg .b32 p, n, x;\nprmt.b32 p, $5, $9, $1;\nxor.b32 x, $1, 0x8888;\n"
-                              "prmt.b32 n, $13, $17, x;\nor.b32 $0, p, n;\n}")
+                              "prmt.b32 n, $13, $17, x;\nadd.u32 $0, p, n;\n}")
+
+
+# ReLU(S + offset) read as a float: the integer add, then a multiply by 1 saturated to [0, 1] (negative
+# ints read as negative floats or NaNs, both 0 after .sat; values below 2^23 are denormals, unchanged).
+# ptxas issues IMAD.IADD and FADD.SAT (the FMA pipe) where `max(S + offset, 0)` was one VIADDMNMX on
+# the ALU pipe, which carries the decode: sm_90 (Triton 3.6) int8 tile ALU instructions ~160 -> ~110.
+# H100, B = 64, indexer µs (two rounds): 128K 105.4 / 104.9 -> 103.4 / 104.3, 1M 664.2 / 674.9 -> 650.3 /
+# 651.0 (benchmarks/NOTES.md #222).
+_RELU_DENORMAL_ASM = gl.constexpr("{\n.reg .b32 t;\nadd.s32 t, $1, $2;\nmul.sat.f32 $0, t, 0f3F800000;\n}")
 
 
 @gluon.jit
@@ -368,9 +380,11 @@ def _scores8(keys8, glob8, qt8, off_s, w_s, out_row, tile0, n_b, max_entries, ou
     # they would take 32 a thread (the fallback tile's peak included)
     k8 = gl.expand_dims(off_s.load(gl.SliceLayout(0, _acc8())), 0)
     wts8 = gl.expand_dims(w_s.load(gl.SliceLayout(0, _acc8())).to(gl.float32, bitcast=True), 0)
-    # ReLU(S) < 2^23 read as a float is the denormal ReLU(S) 2^-149, exact, and fp32 FMAs keep
-    # denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with the key's factor
-    f8 = gl.maximum(acc8 + k8, 0).to(gl.float32, bitcast=True)
+    # ReLU(S) < 2^23 (S = q8 . v, |S| <= 127 x 48 x 128) read as a float is the denormal ReLU(S) 2^-149,
+    # exact, and fp32 FMAs keep denormals: w ReLU(S) 2^(u + 100 - 149) to fp32 rounding, 2^49 back with
+    # the key's factor
+    f8 = gl.inline_asm_elementwise(_RELU_DENORMAL_ASM, "=r,r,r", [acc8, k8 + 0 * acc8], dtype=gl.float32,
+                                   is_pure=True, pack=1)
     score8 = gl.sum(f8 * wts8, axis=1) * (glob8 * (out_scale * 2.0 ** 48))
     return _store(out_row, score8, tile0 + gl.arange(0, _EPB, layout=gl.SliceLayout(1, _acc8())), n_b,
                   max_entries)
