@@ -176,13 +176,15 @@ def main() -> int:
         def tma(**kw: Any) -> None:
             ts.launch(qi, g, out, typed["data"], typed["scale"], b.block_table, b.seq_lens // 4,
                       b.seq_len_bound // 4, 1.0, 8, **kw)
-        with captured(ts, "_scan_tma_kernel"):
+        with captured(ts, "_scan_tma_kernel"), captured(ts, "_scan_redo_kernel"):
             report("scan_tma queries (int8)", ts, "_q8_kernel", tma)
-        with captured(ts, "_q8_kernel"):
+        gmax = torch.empty(2, 64 * ts.programs_per_request(8, b.seq_len_bound // 4), dtype=torch.int32)
+        with captured(ts, "_q8_kernel"), captured(ts, "_scan_tma_kernel"):
+            report("scan_tma redo (bf16 MMA) group maxima", ts, "_scan_redo_kernel", lambda: tma(gmax=gmax))
+        with captured(ts, "_q8_kernel"), captured(ts, "_scan_redo_kernel"):
             for stages in (2, 4):
                 report(f"scan_tma stages={stages}", ts, "_scan_tma_kernel", lambda stages=stages: tma(stages=stages))
             report("scan_tma int8=False", ts, "_scan_tma_kernel", lambda: tma(int8=False))
-            gmax = torch.empty(2, 64 * ts.programs_per_request(8, b.seq_len_bound // 4), dtype=torch.int32)
             report("scan_tma group maxima", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax))
             report("scan_tma group maxima int8=False", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax, int8=False))
             for nreg in (128, 96):

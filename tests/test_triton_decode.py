@@ -337,8 +337,8 @@ def test_indexer_scan_tma_queries_int8():
     kw = torch.full((4, 128), -7, dtype=torch.int32, device=DEVICE)
     nb = tma_scan.Q8_BLOCKS
     fits = torch.full((4, nb), -1, dtype=torch.int32, device=DEVICE)
-    tma_scan._q8_kernel[(4, nb)](q, w, q8, kw, fits, q.stride(0), q.stride(1), w.stride(0), 0.5, HB=64 // nb,
-                                 PDL=False)
+    tma_scan._q8_kernel[(4, nb)](q, w, q8, kw, fits, fits, q.stride(0), q.stride(1), w.stride(0), 0, 0.5, HB=64 // nb,
+                                 REDO=False, PDL=False)
     k = torch.arange(128)
     dim = 32 * ((k >> 2) & 3) + 8 * (k >> 5) + 4 * ((k >> 4) & 1) + (k & 3)
     qc, wc = q.cpu().double(), w.cpu().double()
@@ -361,7 +361,10 @@ def test_indexer_scan_tma_int8_fallback():
     requests whose queries are integers of one power-of-two unit a head; other tiles and requests take
     its bf16 MMA. Keys: groups 0..2 octaves apart at random, one key of every third page 3 apart (its
     tile falls back); queries: one head of request 1 2^12 apart between groups (its programs fall back),
-    request 2 with a zero head and a zero weight. Against the reference and the bf16 MMA alone."""
+    request 2 with a zero head and a zero weight. Against the reference and the bf16 MMA alone. The
+    fallback tiles run in a kernel of their own (`_scan_redo_kernel`): also their group maxima (against
+    torch's over the scores, 1 and 3 programs a request) and a CUDA-graph replay (the tiles' list is
+    reset each call)."""
     args = list(_tma_args((5, 64, 200, 1000, 257)))
     scale = args[3].typed(args[2])["scale"]
     g = torch.Generator().manual_seed(3)
@@ -383,6 +386,28 @@ def test_indexer_scan_tma_int8_fallback():
     fin = torch.isfinite(want)
     assert max_rel(out[fin], bf16[fin]) <= 1e-6
     assert torch.equal(torch.isinf(out), torch.isinf(want))
+    n = out.shape[1]
+    i = torch.arange(n, device=out.device)
+    for programs in (1, 3):
+        scores, gm = tri.scores_and_maxima(*args, tma=True, tma_int8=True, num_programs=programs, group_max=True)
+        assert torch.equal(scores, out)
+        p = gm.shape[1] // 64
+        bits = scores.view(torch.int32)
+        keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+        scanned = (i // 64)[None, :] < (args[5].long()[:, None].clamp(max=n) + 63) // 64
+        keys = torch.where(scanned, keys, -2 ** 31)
+        gwant = torch.full((out.shape[0], 64 * p), -2 ** 31, dtype=torch.int64, device=out.device)
+        gwant.scatter_reduce_(1, ((i // 64) % p * 64 + i % 64).expand_as(keys), keys, "amax")
+        assert torch.equal(gm.long(), gwant)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = tri.paged_indexer_scores(*args, tma=True, tma_int8=True)
+    for _ in range(3):
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
 
 
 @pytest.mark.gpu

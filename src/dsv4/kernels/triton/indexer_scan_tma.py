@@ -41,7 +41,8 @@ the offset 64 sum q), and ReLU(S) read as a denormal float times w 2^(u + 100) p
 in fp32 with no conversion instruction; both per-head factors are read from shared memory a tile
 (in registers they held 32 a thread across the loop), so the int8 kernel runs at 80 registers, six
 programs an SM (`MAXNREG_INT8`). A tile with a wider key (every warp checks all 64 scale
-words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above. H100:
+words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above, in a
+kernel of its own (below). H100:
 -4 to -6% from 16,384 tiles (128K B = 64 93.2 against 98.7 µs, 1M B = 64 618 against 655); the MMA
 at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
 the max run at half the FMA pipe's rate) grew. Six programs an SM with the factors in shared memory,
@@ -50,6 +51,14 @@ against four with them in registers: -1 to -2% (H100, 128K B = 64 93.3-93.9 -> 9
 written so that ptxas issues them on the FMA pipe (IMAD.IADD, FADD.SAT) instead of the ALU pipe that
 the lookups keep busy: -1.5% at 128K B = 64, -3% at 1M (`_RELU_DENORMAL_ASM`). The scan is
 compute-bound: its page copies alone take 42-45% of its time (`benchmarks/scan_floor.py`).
+
+The int8 kernel holds no bf16 tile: a tile it cannot take exactly (a key's groups spread past 2^2,
+or queries that are not such integers) is appended to a per-request list, and `_scan_redo_kernel`
+(chained by programmatic dependent launch; its programs exit at once on an empty list) scores those
+tiles with the bf16 MMA and folds them into the group maxima by atomic max. Compiled in, the bf16
+tile's registers made ptxas spill at 80 and serialise every int8 wgmma (a wait after each, C7512);
+without it the kernel takes 77 registers with none spilled. H100, B = 64, indexer µs, two rounds:
+128K 105.8 / 106.0 -> 100.3 / 100.7, 1M 654.3 / 652.9 -> 623.7 / 620.9 (benchmarks/NOTES.md #224).
 
 With `gmax` (GMAX) each program also keeps the maxima of its 64 row slots over its tiles (groups of
 entries 64 P apart, P programs a request) and stores them as the top-k's int32 keys: the top-k's
@@ -97,9 +106,10 @@ STAGES = 2
 #: registers a thread of the bf16-only kernel: four programs an SM (96, five with no spills, and 104
 #: measured no faster)
 MAXNREG = 128
-#: ... and of the int8 one: six programs an SM (the int8 tile spills nothing at 80; the fallback bf16
-#: tile 16 bytes; ptxas serialises the int8 wgmmas from 88 down). H100, µs, 128 / 96 / 80: 128K B = 64
-#: 96.5 / 94.4 / 91.4, 1M B = 64 652 / 641 / 614
+#: ... and of the int8 one: six programs an SM (77 used, no spill: its fallback tiles run in
+#: `_scan_redo_kernel`). With the bf16 tile compiled in, it spilled at 80 and ptxas serialised every
+#: int8 wgmma below 96 (C7512); H100, µs, 128 / 96 / 80: 128K B = 64 96.5 / 94.4 / 91.4, 1M B = 64
+#: 652 / 641 / 614
 MAXNREG_INT8 = 80
 #: the int8 MMA where a tile's keys and the queries fit it (`_keys8`), else the bf16 one
 #: (`indexer_scores.TMA_INT8_TILES` picks it by the batch's tiles)
@@ -391,21 +401,21 @@ def _scores8(keys8, glob8, qt8, off_s, w_s, out_row, tile0, n_b, max_entries, ou
 
 
 @gluon.jit
-def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr, nent_ptr,
-                     s_qb, s_qh, s_wb, s_ob, s_gb, s_bt,
+def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr,
+                     nent_ptr, s_qb, s_qh, s_wb, s_ob, s_gb, s_bt, s_rb,
                      num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
                      INT8: gl.constexpr, GMAX: gl.constexpr, PDL: gl.constexpr):
     """Program (b, p): the scores of request b's tiles p, p + P, ... (P programs a request) into
     out[b]; GMAX: also the maxima of its 64 row slots over those tiles into gmax[b, 64 p ..] as the
     top-k's int32 keys (`topk._keys`; group 64 p + r holds entries 64 (p + i P) + r: disjoint groups
-    64 P entries apart, for the top-k's filter)."""
+    64 P entries apart, for the top-k's filter). INT8: a tile the int8 MMA cannot take exactly is
+    appended to redo[b] (a count, then tile indices; the count zeroed by `_q8_kernel`) for
+    `_scan_redo_kernel`, and its scores are left to that kernel."""
     b = gl.program_id(0)
     p0 = gl.program_id(1)
     step = gl.num_programs(1)
     n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
-    Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
     raw_d, raw_s, ready, bt_row = _first_pages(d_desc, s_desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
 
     ACC: gl.constexpr = _acc()
@@ -429,15 +439,16 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
         for i in gl.static_range(1, _Q8_BLOCKS):
             q_fits = q_fits & (gl.load(fits_ptr + b * _Q8_BLOCKS + i) != 0)
         qt8 = q8_s.permute((1, 0))
-        q16_ready = False   # the bf16 queries are stored at a program's first fallback tile
     else:
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
         _store_q16(q_s, q_ptr, b, s_qb, s_qh)
         wts_all = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)
+        qt = q_s.permute((1, 0))
     fence_async_shared()            # q's generic-proxy stores before the MMAs' async-proxy reads
     _barrier()
     rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
     out_row = out_ptr + b.to(gl.int64) * s_ob
-    qt = q_s.permute((1, 0))
     GM_L: gl.constexpr = gl.SliceLayout(1, _acc8()) if INT8 else gl.SliceLayout(1, ACC)
     gm = gl.full([_EPB], -2147483648, gl.int32, layout=GM_L)       # the least key: a group with no score
     for it in range(0, mine):
@@ -448,14 +459,11 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
             if narrow & q_fits:
                 sc = _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
             else:
-                if not q16_ready:
-                    _store_q16(q_s, q_ptr, b, s_qb, s_qh)
-                    fence_async_shared()
-                    _barrier()
-                    q16_ready = True
-                wts = gl.expand_dims(gl.load(w_row).to(gl.float32) * w_scale, 0)       # L1 hits
-                sc = gl.convert_layout(
-                    _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale), GM_L)
+                # the bf16 MMA's tile runs in `_scan_redo_kernel`: compiled in here, its registers made
+                # ptxas serialise the int8 MMAs (C7512) and spill (#224)
+                slot = gl.atomic_add(redo_ptr + b * s_rb, 1)
+                gl.store(redo_ptr + b * s_rb + 1 + slot, p0 + it * step)
+                sc = gl.full([_EPB], float("-inf"), gl.float32, layout=GM_L)
         else:
             sc = _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
         if GMAX:            # in the top-k's order-preserving int32 keys, so NaNs rank as the reference's do
@@ -470,6 +478,52 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, gmax_ptr, 
         offs = tile * _EPB + rows
         gl.store(out_row + offs, gl.full([_EPB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC)),
                  mask=offs < max_entries)
+
+
+@gluon.jit
+def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr, nent_ptr,
+                      s_qb, s_qh, s_wb, s_ob, s_gb, s_bt, s_rb, n_prog, max_entries, max_blocks, out_scale, w_scale,
+                      GMAX: gl.constexpr, PDL: gl.constexpr):
+    """Program (b, r): the tiles the int8 scan left to the bf16 MMA in redo[b] (a count, then tile
+    indices), entries r, r + R, ... (R programs a request); GMAX: each tile's scores also into the
+    scan's group maxima (tile t's rows are group slots 64 (t mod n_prog) + r) by atomic max. One
+    page in flight: the tiles are few (a key whose scale groups spread past 2^2, a request whose
+    queries are not int8 integers of one unit a head)."""
+    b = gl.program_id(0)
+    r = gl.program_id(1)
+    if PDL:                     # the scan's appends
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    cnt = gl.load(redo_ptr + b * s_rb)
+    mine = gl.cdiv(gl.maximum(cnt - r, 0), gl.num_programs(1))
+    if mine > 0:
+        n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
+        raw_d = gl.allocate_shared_memory(gl.int32, [1, 1, _EPB, 16], d_desc.layout)
+        raw_s = gl.allocate_shared_memory(gl.int32, [1, 1, _EPB], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(ready.index(0), count=1)
+        Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [64, 128], Q_SL)
+        _store_q16(q_s, q_ptr, b, s_qb, s_qh)
+        fence_async_shared()        # the barrier's initialisation and q's stores before the copies and MMAs
+        _barrier()
+        ACC: gl.constexpr = _acc()
+        h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+        wts = gl.expand_dims(gl.load(w_ptr + b * s_wb + h).to(gl.float32) * w_scale, 0)
+        rows = gl.arange(0, _EPB, layout=gl.SliceLayout(1, ACC))
+        bt_row = bt_ptr + b.to(gl.int64) * s_bt
+        out_row = out_ptr + b.to(gl.int64) * s_ob
+        qt = q_s.permute((1, 0))
+        for i in range(0, mine):
+            tile = gl.load(redo_ptr + b * s_rb + 1 + r + i * gl.num_programs(1))
+            _issue(raw_d, raw_s, ready, d_desc, s_desc, 0, _block(bt_row, tile, max_blocks))
+            mbarrier.wait(ready.index(0), i & 1)
+            words, srow, srow_acc, _narrow = _load(raw_d, raw_s, 0, False)
+            _barrier()              # every warp has read the page before the next copy
+            sc = _tile16(words, srow, srow_acc, qt, wts, out_row, tile * _EPB, n_b, max_entries, out_scale)
+            if GMAX:
+                bits = sc.to(gl.int32, bitcast=True)
+                gl.atomic_max(gmax_ptr + b.to(gl.int64) * s_gb + (tile % n_prog) * _EPB + rows,
+                              gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
 
 
 @gluon.jit
@@ -556,17 +610,20 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_
 
 
 @triton.jit
-def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, s_qb, s_qh, s_wb, w_scale, HB: tl.constexpr,
-               PDL: tl.constexpr):
+def _q8_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, s_qb, s_qh, s_wb, s_rb, w_scale, HB: tl.constexpr,
+               REDO: tl.constexpr, PDL: tl.constexpr):
     """The int8 scan's queries of request b, program (b, j) its heads j HB .. j HB + HB - 1 (a short
     kernel: the scan's first tiles wait for it): q = q8 2^u a head, q8 integers below 128 in magnitude
     (2^u from the head's largest |q|), columns in the int8 MMA's K order (`_keys8`: dims 4 j .. 4 j + 3,
     j = 8 t + 2 i + hh, at columns 4 (8 i + 4 hh + t) ..); kw[b] = (the MMA's offset -64 sum_d q8 a
     head, w_scale w 2^(u + 100) a head as fp32 bits); fits[b, j] whether that is exact for every head of
-    the block and each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA). PDL: see
-    `pdl_enter`."""
+    the block and each w ReLU(S) 2^(u + 100 - 149) a normal float (else the bf16 MMA). REDO: the
+    count of redo[b] (`_scan_tma_kernel`'s tiles for the bf16 MMA) zeroed. PDL: see `pdl_enter`."""
     pdl_enter(PDL)
     b = tl.program_id(0)
+    if REDO:
+        if tl.program_id(1) == 0:
+            tl.store(redo_ptr + b * s_rb, 0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     j = tl.arange(0, 32)[None, :, None]
     c = tl.arange(0, 4)[None, None, :]
@@ -628,25 +685,38 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
         assert gmax.shape == (bsz, nprog * EPB) and gmax.dtype == torch.int32 and gmax.stride(1) == 1
     d_desc, s_desc = _descriptors(data, scale)
     chain = int8 and pdl(q.device)    # the scan set up while `_q8_kernel` runs
-    q8, kw, fits = _queries8(q, weights, weight_scale, chain, run=int8)
-    return _scan_tma_kernel[(bsz, nprog)](
-        q, weights, q8, kw, fits, out, gmax if gmax is not None else kw, d_desc, s_desc, block_table, num_entries,
-        q.stride(0), q.stride(1), weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0,
-        block_table.stride(0), tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+    # the int8 scan's tiles for the bf16 MMA: a count (zeroed by `_q8_kernel`), then up to every tile
+    redo = torch.empty(bsz, tiles + 1, dtype=torch.int32, device=q.device) if int8 else None
+    q8, kw, fits = _queries8(q, weights, weight_scale, chain, run=int8, redo=redo)
+    gm = gmax if gmax is not None else kw
+    scan = (q, weights, q8, kw, fits, redo if int8 else kw, out, gm, d_desc, s_desc, block_table, num_entries,
+            q.stride(0), q.stride(1), weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0,
+            block_table.stride(0), redo.stride(0) if int8 else 0)
+    k = _scan_tma_kernel[(bsz, nprog)](
+        *scan, tiles, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
         NS=stages, INT8=int8, GMAX=gmax is not None, PDL=chain, num_warps=4,
         maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG), **({"launch_pdl": True} if chain else {}))
+    if int8:
+        _scan_redo_kernel[(bsz, nprog)](
+            q, weights, redo, out, gm, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
+            weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0, block_table.stride(0),
+            redo.stride(0), nprog, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
+            GMAX=gmax is not None, PDL=chain, num_warps=4, **({"launch_pdl": True} if chain else {}))
+    return k
 
 
-def _queries8(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, chain: bool, run: bool = True):
+def _queries8(q: torch.Tensor, weights: torch.Tensor, weight_scale: float, chain: bool, run: bool = True,
+              redo: torch.Tensor | None = None):
     """`_q8_kernel` over q's rows (run=False: the buffers alone, never read): q8 [R, 64, 128] int8,
-    kw [R, 128] int32, fits [R, Q8_BLOCKS] int32."""
+    kw [R, 128] int32, fits [R, Q8_BLOCKS] int32; redo's counts (column 0) zeroed."""
     rows = q.shape[0]
     q8 = torch.empty(rows, 64, 128, dtype=torch.int8, device=q.device)
     kw = torch.empty(rows, 128, dtype=torch.int32, device=q.device)
     fits = torch.empty(rows, Q8_BLOCKS, dtype=torch.int32, device=q.device)
     if run:
-        _q8_kernel[(rows, Q8_BLOCKS)](q, weights, q8, kw, fits, q.stride(0), q.stride(1), weights.stride(0),
-                                      weight_scale, HB=64 // Q8_BLOCKS, PDL=chain, num_warps=4,
+        _q8_kernel[(rows, Q8_BLOCKS)](q, weights, q8, kw, fits, redo if redo is not None else fits, q.stride(0),
+                                      q.stride(1), weights.stride(0), redo.stride(0) if redo is not None else 0,
+                                      weight_scale, HB=64 // Q8_BLOCKS, REDO=redo is not None, PDL=chain, num_warps=4,
                                       **({"launch_pdl": True} if chain else {}))
     return q8, kw, fits
 
