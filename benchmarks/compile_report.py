@@ -7,8 +7,10 @@
 Triton compiles for sm_90 on any machine (its wheel carries ptxas and cuobjdump): each op wrapper
 is called on CPU tensors of a small V4-shaped cache with its kernel launch intercepted, the
 captured arguments give the kernel signature, and the compiled cubin is read with
-`cuobjdump -res-usage` / `-sass`. The Triton here may be newer than the device's: a lead for
-what to time there, not a measurement.
+`cuobjdump -res-usage` / `-sass`; `wgmma_serialised` is ptxas's own note (C7512) that it put a wait
+after every warpgroup MMA for want of registers. The Triton here may be newer than the device's
+(`pip install --target` its version beside, then on PYTHONPATH): a lead for what to time there, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -93,8 +95,24 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
             with open(f.name[:-len(".sass")] + ".ptx", "w") as g:
                 g.write(k.asm["ptx"])
     return {"reg": int(m[1]), "stack": int(m[2]), "smem": k.metadata.shared, "LDL": sass.count("LDL"),
-            "STL": sass.count("STL"), "HGMMA": sass.count("HGMMA"), "HMMA": sass.count("HMMA"),
-            "instr": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass))}
+            "STL": sass.count("STL"), "HGMMA": sass.count("HGMMA") + sass.count("IGMMA"), "HMMA": sass.count("HMMA"),
+            "instr": len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass)),
+            "wgmma_serialised": _wgmma_serialised(binp, k.asm["ptx"])}
+
+
+def _wgmma_serialised(binp: str, ptx: str) -> bool:
+    """Whether ptxas serialises the kernel's warpgroup MMAs (its C7512 note, which Triton does not show):
+    decided for the whole function, so a rarely taken path's registers can put a wait after every wgmma
+    of the hot loop (the TMA scan's bf16 fallback tile did: benchmarks/NOTES.md #224)."""
+    if "wgmma" not in ptx:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([f"{binp}/ptxas", "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    return "C7512" in log.stdout + log.stderr
 
 
 @contextlib.contextmanager
