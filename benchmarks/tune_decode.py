@@ -69,10 +69,11 @@ def scan_variants(batch: int, quick: bool) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     out: list[dict[str, Any]] = [{}, dict(tma_int8=True), dict(tma_int8=False), dict(tma=False)]
     if not quick:
-        out += [dict(tma_stages=3), dict(tma=True), dict(tma_maxnreg=128), dict(tma_maxnreg=96),
-                dict(tma_maxnreg=96, tma_stages=3), dict(tma_maxnreg=72)]
+        out += [dict(tma_stages=3), dict(tma_stages=4), dict(tma=True), dict(tma_maxnreg=128),
+                dict(tma_maxnreg=96), dict(tma_maxnreg=96, tma_stages=3), dict(tma_maxnreg=72),
+                dict(tma_maxnreg=72, tma_stages=3), dict(tma_maxnreg=64), dict(tma_maxnreg=64, tma_stages=3)]
     out += [dict(num_programs=max(1, 4 * sms // batch))]                                  # one wave
-    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (4, 8, 16, 24)]    # per SM in all
+    out += [dict(num_programs=-(-per_sm * sms // batch)) for per_sm in (4, 8, 12, 16, 20, 24)]    # per SM in all
     return out
 
 

@@ -6,9 +6,9 @@ indexer pool.
     i: 64 keys of 68 bytes, 4 KB of packed E2M1 then 256 B of UE8M0 scales), then writes -inf to
     its tiles past the request's entries.
 
-One warpgroup a program. NS pages are in flight: per tile one copy of the page's key words and one
-of its scale words into a stage (`tma.async_copy_global_to_shared`, completing on the stage's
-mbarrier), issued NS tiles ahead when the stage is read. Per tile: each lane reads its own 16 bytes
+One warpgroup a program. NS pages are in flight: per tile one copy of the page (its key words and
+the scale words stored right after them) into a stage (`tma.async_copy_global_to_shared`, completing
+on the stage's mbarrier), issued NS tiles ahead when the stage is read. Per tile: each lane reads its own 16 bytes
 of each of its two key rows (one scale group), decoded to bf16 keys scaled by 2^(e_g - e_max)
 (exact, `_E2M1_WORD_ASM`) straight into the registers of the warpgroup MMA's A operand; the MMA's
 K order is therefore a permutation of the key's dims (`_perm`), and q's columns are stored in that
@@ -60,6 +60,12 @@ tile's registers made ptxas spill at 80 and serialise every int8 wgmma (a wait a
 without it the kernel takes 77 registers with none spilled. H100, B = 64, indexer µs, two rounds:
 128K 105.8 / 106.0 -> 100.3 / 100.7, 1M 654.3 / 652.9 -> 623.7 / 620.9 (benchmarks/NOTES.md #224).
 
+A tile's page is one copy, and the next refill's block-table lookup goes out right after this
+refill. Triton puts a CTA barrier before each copy, and a proxy fence that waits for the thread's
+loads in flight; a second copy for the scale words cost a barrier a tile, and a lookup issued before
+the fence was waited for on the tile's chain (ncu: ~3.7% of the scan's stall samples). H100, B = 64,
+indexer µs, trees alternated: 128K 100.7 -> 99.5 / 99.8, 1M 619.5 / 628.6 -> 604.1 / 613.6 (#225).
+
 With `gmax` (GMAX) each program also keeps the maxima of its 64 row slots over its tiles (groups of
 entries 64 P apart, P programs a request) and stores them as the top-k's int32 keys: the top-k's
 filter bounds the k-th score from these instead of a pass over the scores for maxima of its own
@@ -99,8 +105,12 @@ from dsv4.kernels.triton.decode_common import pdl, pdl_enter
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
 _EPB = gl.constexpr(EPB)
-#: bytes a page copies (64 keys of 16 words of 8 E2M1 codes, and their 4 scale bytes)
-_PAGE_BYTES = gl.constexpr(EPB * (16 * 4 + 4))
+#: a page as rows of 64 words: rows 0-15 the key words (16 a key), row 16 the scale words; its copy
+#: is a box of 32 rows (a power of two, as Triton's shapes are), rows 17-31 past the page's 17 filled
+#: with zeros by the copy without a read
+_PAGE_ROWS = gl.constexpr(32)
+#: bytes a page's copy completes (the whole box)
+_PAGE_BYTES = gl.constexpr(32 * EPB * 4)
 #: pages in flight a program (H100, 128K, B = 64 / 16: 2 stages 1-5% faster than 3-4: more programs fit)
 STAGES = 2
 #: registers a thread of the bf16-only kernel: four programs an SM (96, five with no spills, and 104
@@ -173,20 +183,20 @@ def _block(bt_row, tile, max_blocks):
 
 
 @gluon.jit
-def _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk):
-    """The copies of page blk into stage s, completing on ready[s]."""
+def _issue(raw, ready, desc, s, blk):
+    """The copy of page blk (its key and scale words, one box: the page layout puts the scales right
+    after the keys) into stage s, completing on ready[s]. One copy a page, not two: Triton's lowering
+    puts a CTA barrier before each copy."""
     mbarrier.expect(ready.index(s), _PAGE_BYTES)
-    tma.async_copy_global_to_shared(d_desc, [blk, 0, 0], ready.index(s), raw_d.index(s))
-    tma.async_copy_global_to_shared(s_desc, [blk, 0], ready.index(s), raw_s.index(s))
+    tma.async_copy_global_to_shared(desc, [blk, 0, 0], ready.index(s), raw.index(s))
 
 
 @gluon.jit
-def _first_pages(d_desc, s_desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS: gl.constexpr):
+def _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS: gl.constexpr):
     """The NS page stages and their barriers, the program's first NS pages (tiles p0, p0 + step, ..
     of the `mine` it scans, in request req's block-table row) in flight; returns the stages, the
     barriers and that row."""
-    raw_d = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB, 16], d_desc.layout)
-    raw_s = gl.allocate_shared_memory(gl.int32, [NS, 1, _EPB], s_desc.layout)
+    raw = gl.allocate_shared_memory(gl.int32, [NS, 1, _PAGE_ROWS, _EPB], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
@@ -194,8 +204,8 @@ def _first_pages(d_desc, s_desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, 
     bt_row = bt_ptr + req.to(gl.int64) * s_bt
     for i in gl.static_range(NS):
         if i < mine:
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, i, _block(bt_row, p0 + i * step, max_blocks))
-    return raw_d, raw_s, ready, bt_row
+            _issue(raw, ready, desc, i, _block(bt_row, p0 + i * step, max_blocks))
+    return raw, ready, bt_row
 
 
 # One key word -> four bf16x2 (pack = 4: $4-$7 the word, $8-$11 the bf16x2 factor 2^(126 + e_g - e_max)
@@ -243,19 +253,19 @@ def _bytes_min(w):
 
 
 @gluon.jit
-def _load(raw_d, raw_s, s, INT8: gl.constexpr):
+def _load(raw, s, INT8: gl.constexpr):
     """Stage s's page into registers: the key words of each lane's scale group (`_keys` rows), the
-    rows' scale words (the same rows, and in the accumulator's row layout) and whether every key's
-    groups lie within 2^2 of each other (every warp reads all 64 scale words: no warp waits on another)."""
+    rows' scale words and whether every key's groups lie within 2^2 of each other (every warp reads
+    all 64 scale words: no warp waits on another)."""
     W5: gl.constexpr = gl.SliceLayout(4, _keys())                                # [w, h, g, i, t]
     R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
-    # word 4 t + i of row (w, h, g): i runs fastest in memory
-    page_d = raw_d.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
-    page_s = raw_s.index(s)._reinterpret(gl.int32, [4, 2, 8], _flat(3))
-    scales = raw_s.index(s)._reinterpret(gl.int32, [_EPB], _flat(1))
+    # word 4 t + i of row (w, h, g): i runs fastest in memory (the page's first 1,024 words)
+    page_d = raw.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
+    srow_s = raw.index(s)._reinterpret(gl.int32, [_PAGE_ROWS, _EPB], _flat(2)).slice(16, 1)     # [1, 64]
+    page_s = srow_s._reinterpret(gl.int32, [4, 2, 8], _flat(3))
+    scales = srow_s._reinterpret(gl.int32, [_EPB], _flat(1))
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
-    srow_acc = scales.load(gl.SliceLayout(1, _acc()))
     narrow = False
     if INT8:
         every = scales.load(gl.BlockedLayout([2], [32], [4], [0]))               # replicated in each warp
@@ -263,26 +273,35 @@ def _load(raw_d, raw_s, s, INT8: gl.constexpr):
         for g in gl.static_range(1, 4):
             hi = gl.maximum(hi, (every >> 8 * g) & 0xFF)
         narrow = gl.max(hi - _bytes_min(every), axis=0) <= 2
-    return words, srow, srow_acc, narrow
+    return words, srow, narrow
 
 
 @gluon.jit
-def _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine, max_blocks, NS: gl.constexpr,
+def _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS: gl.constexpr,
                INT8: gl.constexpr):
     """The program's tile `it` from its stage (`_load`), once its copies land; the stage then refills
-    with the page NS tiles ahead."""
+    with the page NS tiles ahead (blk, looked up an iteration before); returns the tile and the page
+    of the next refill. Its lookup goes out after this refill: the proxy fence Triton puts before a
+    copy waits for the thread's loads in flight, so a lookup issued before it would be waited for
+    here, on the tile's chain (ncu: its latency was ~3.7% of the scan's stall samples)."""
     s = it % NS
-    blk = _block(bt_row, p0 + (it + NS) * step, max_blocks)     # the refill's page, under the wait
     mbarrier.wait(ready.index(s), (it // NS) & 1)
-    words, srow, srow_acc, narrow = _load(raw_d, raw_s, s, INT8)
+    words, srow, narrow = _load(raw, s, INT8)
     _barrier()                  # every warp has read stage s ...
     if it + NS < mine:          # ... so it refills, NS tiles ahead
-        _issue(raw_d, raw_s, ready, d_desc, s_desc, s, blk)
-    return words, srow, srow_acc, narrow
+        _issue(raw, ready, desc, s, blk)
+    return words, srow, narrow, _block(bt_row, p0 + (it + NS + 1) * step, max_blocks)
 
 
 @gluon.jit
-def _decode(words, srow, srow_acc):
+def _rows_acc(x, ACC: gl.constexpr):
+    """A [4, 2, 8] value of rows (w, h, g) (`_keys`' rows: row 16 w + 8 h + g, lane 4 g + t) as [64]
+    in the accumulator's row layout, which puts the same rows in the same lanes."""
+    return gl.convert_layout(gl.reshape(x, [_EPB]), gl.SliceLayout(1, ACC))
+
+
+@gluon.jit
+def _decode(words, srow):
     """A tile's words -> (keys [64, 128] bf16 x 2^(e_g - e_max) in the MMA's register-operand
     layout, columns in `_perm` order; 2^e_max a key in the accumulator's row layout)."""
     K6: gl.constexpr = _keys()
@@ -296,9 +315,6 @@ def _decode(words, srow, srow_acc):
     byte = (gl.expand_dims(gl.expand_dims(srow, 3), 4) >> (8 * t)) & 0xFF
     fe = gl.maximum(byte - gl.expand_dims(gl.expand_dims(smax, 3), 4) + 253, 1)   # 2^252 below e_max: 0
     sc = gl.expand_dims(fe * 0x800080, 4)                                        # (fe << 7) | (fe << 23)
-    amax = srow_acc & 0xFF
-    for g in gl.static_range(1, 4):
-        amax = gl.maximum(amax, (srow_acc >> 8 * g) & 0xFF)
     j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(
         5, K6))))))
     j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0), 0), 5)
@@ -309,11 +325,11 @@ def _decode(words, srow, srow_acc):
     hi = (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     keys = gl.reshape(gl.join(lo, hi), [_EPB, 128])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc(), k_width=2)
-    return gl.convert_layout(keys, A_L), (amax << 23).to(gl.float32, bitcast=True)
+    return gl.convert_layout(keys, A_L), (_rows_acc(smax, _acc()) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _decode8(words, srow, srow_acc):
+def _decode8(words, srow):
     """A tile's words -> (keys [64, 128] int8 64 + 2 * code * 2^(e_g - e_min), the int8 MMA's register
     operand, columns in `_keys8` order; 2^e_min a key in the accumulator's row layout). Exact where
     e_g - e_min <= 2 for every group (`_load`'s narrow)."""
@@ -338,8 +354,8 @@ def _decode8(words, srow, srow_acc):
     keys = gl.inline_asm_elementwise(_E2M1_INT8_ASM, "=r" + ",r" * 20, [sel] + tabs,
                                      dtype=gl.int8, is_pure=True, pack=4)        # [4, 2, 8, 4, 2, 4, 4]
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc8(), k_width=4)
-    emin_acc = gl.convert_layout(_bytes_min(srow_acc), gl.SliceLayout(1, _acc8()))
-    return gl.convert_layout(gl.reshape(keys, [_EPB, 128]), A_L), (emin_acc << 23).to(gl.float32, bitcast=True)
+    return gl.convert_layout(gl.reshape(keys, [_EPB, 128]), A_L), (_rows_acc(emin, _acc8()) << 23).to(gl.float32,
+                                                                                                     bitcast=True)
 
 
 @gluon.jit
@@ -360,9 +376,9 @@ def _store_q16(q_s, q_ptr, b, s_qb, s_qh):
 
 
 @gluon.jit
-def _tile16(words, srow, srow_acc, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
+def _tile16(words, srow, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the bf16 MMA."""
-    keys, glob = _decode(words, srow, srow_acc)
+    keys, glob = _decode(words, srow)
     return _scores16(keys, glob, qt, wts, out_row, tile0, n_b, max_entries, out_scale)
 
 
@@ -375,9 +391,9 @@ def _scores16(keys, glob, qt, wts, out_row, tile0, n_b, max_entries, out_scale):
 
 
 @gluon.jit
-def _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale):
+def _tile8(words, srow, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale):
     """A tile's scores by the int8 MMA (exact integer dots S + k8's offset)."""
-    keys8, glob8 = _decode8(words, srow, srow_acc)
+    keys8, glob8 = _decode8(words, srow)
     return _scores8(keys8, glob8, qt8, kw_s.index(0), kw_s.index(1), out_row, tile0, n_b, max_entries, out_scale)
 
 
@@ -401,7 +417,7 @@ def _scores8(keys8, glob8, qt8, off_s, w_s, out_row, tile0, n_b, max_entries, ou
 
 
 @gluon.jit
-def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr,
+def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, gmax_ptr, desc, bt_ptr,
                      nent_ptr, s_qb, s_qh, s_wb, s_ob, s_gb, s_bt, s_rb,
                      num_tiles, max_entries, max_blocks, out_scale, w_scale, NS: gl.constexpr,
                      INT8: gl.constexpr, GMAX: gl.constexpr, PDL: gl.constexpr):
@@ -416,7 +432,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
     step = gl.num_programs(1)
     n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
-    raw_d, raw_s, ready, bt_row = _first_pages(d_desc, s_desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
+    raw, ready, bt_row = _first_pages(desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
 
     ACC: gl.constexpr = _acc()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
@@ -451,13 +467,13 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
     out_row = out_ptr + b.to(gl.int64) * s_ob
     GM_L: gl.constexpr = gl.SliceLayout(1, _acc8()) if INT8 else gl.SliceLayout(1, ACC)
     gm = gl.full([_EPB], -2147483648, gl.int32, layout=GM_L)       # the least key: a group with no score
+    blk = _block(bt_row, p0 + NS * step, max_blocks)
     for it in range(0, mine):
-        words, srow, srow_acc, narrow = _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine,
-                                                   max_blocks, NS, INT8)
+        words, srow, narrow, blk = _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS, INT8)
         tile0 = (p0 + it * step) * _EPB
         if INT8:
             if narrow & q_fits:
-                sc = _tile8(words, srow, srow_acc, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
+                sc = _tile8(words, srow, qt8, kw_s, out_row, tile0, n_b, max_entries, out_scale)
             else:
                 # the bf16 MMA's tile runs in `_scan_redo_kernel`: compiled in here, its registers made
                 # ptxas serialise the int8 MMAs (C7512) and spill (#224)
@@ -465,7 +481,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
                 gl.store(redo_ptr + b * s_rb + 1 + slot, p0 + it * step)
                 sc = gl.full([_EPB], float("-inf"), gl.float32, layout=GM_L)
         else:
-            sc = _tile16(words, srow, srow_acc, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
+            sc = _tile16(words, srow, qt, wts_all, out_row, tile0, n_b, max_entries, out_scale)
         if GMAX:            # in the top-k's order-preserving int32 keys, so NaNs rank as the reference's do
             bits = sc.to(gl.int32, bitcast=True)
             gm = gl.maximum(gm, gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
@@ -481,7 +497,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
 
 
 @gluon.jit
-def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc, bt_ptr, nent_ptr,
+def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, desc, bt_ptr, nent_ptr,
                       s_qb, s_qh, s_wb, s_ob, s_gb, s_bt, s_rb, n_prog, max_entries, max_blocks, out_scale, w_scale,
                       GMAX: gl.constexpr, PDL: gl.constexpr):
     """Program (b, r): the tiles the int8 scan left to the bf16 MMA in redo[b] (a count, then tile
@@ -497,8 +513,7 @@ def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc,
     mine = gl.cdiv(gl.maximum(cnt - r, 0), gl.num_programs(1))
     if mine > 0:
         n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
-        raw_d = gl.allocate_shared_memory(gl.int32, [1, 1, _EPB, 16], d_desc.layout)
-        raw_s = gl.allocate_shared_memory(gl.int32, [1, 1, _EPB], s_desc.layout)
+        raw = gl.allocate_shared_memory(gl.int32, [1, 1, _PAGE_ROWS, _EPB], desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(ready.index(0), count=1)
         Q_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
@@ -515,11 +530,11 @@ def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc,
         qt = q_s.permute((1, 0))
         for i in range(0, mine):
             tile = gl.load(redo_ptr + b * s_rb + 1 + r + i * gl.num_programs(1))
-            _issue(raw_d, raw_s, ready, d_desc, s_desc, 0, _block(bt_row, tile, max_blocks))
+            _issue(raw, ready, desc, 0, _block(bt_row, tile, max_blocks))
             mbarrier.wait(ready.index(0), i & 1)
-            words, srow, srow_acc, _narrow = _load(raw_d, raw_s, 0, False)
+            words, srow, _narrow = _load(raw, 0, False)
             _barrier()              # every warp has read the page before the next copy
-            sc = _tile16(words, srow, srow_acc, qt, wts, out_row, tile * _EPB, n_b, max_entries, out_scale)
+            sc = _tile16(words, srow, qt, wts, out_row, tile * _EPB, n_b, max_entries, out_scale)
             if GMAX:
                 bits = sc.to(gl.int32, bitcast=True)
                 gl.atomic_max(gmax_ptr + b.to(gl.int64) * s_gb + (tile % n_prog) * _EPB + rows,
@@ -527,7 +542,7 @@ def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, d_desc, s_desc,
 
 
 @gluon.jit
-def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_desc, s_desc, bt_ptr, vis_ptr, grp_ptr,
+def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, desc, bt_ptr, vis_ptr, grp_ptr,
                              s_qb, s_qh, s_wb, s_ob, s_bt, num_tiles, max_entries, max_blocks, out_scale, w_scale,
                              NS: gl.constexpr, TOKENS: gl.constexpr, PDL: gl.constexpr):
     """Program (g, p): rows r0 .. r0 + cnt - 1 of group g (grp[g] = (r0, cnt, request): up to TOKENS
@@ -551,7 +566,7 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_
         ns = ns + (n_t,)
         n_all = gl.maximum(n_all, n_t)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_all, _EPB) - p0, 0), step)
-    raw_d, raw_s, ready, bt_row = _first_pages(d_desc, s_desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS)
+    raw, ready, bt_row = _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS)
     if PDL:                         # `_q8_kernel`'s results (the pages' copies above go out before it ends)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
@@ -575,18 +590,18 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, d_
     _barrier()
     ACC: gl.constexpr = _acc()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
+    blk = _block(bt_row, p0 + NS * step, max_blocks)
     for it in range(0, mine):
-        words, srow, srow_acc, narrow = _next_page(raw_d, raw_s, ready, d_desc, s_desc, bt_row, it, p0, step, mine,
-                                                   max_blocks, NS, True)
+        words, srow, narrow, blk = _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS, True)
         tile0 = (p0 + it * step) * _EPB
         if narrow & q_fits:
-            keys8, glob8 = _decode8(words, srow, srow_acc)
+            keys8, glob8 = _decode8(words, srow)
             for t in gl.static_range(TOKENS):
                 if t < cnt:
                     _scores8(keys8, glob8, q8_s.index(t).permute((1, 0)), kw_s.index(2 * t), kw_s.index(2 * t + 1),
                              out_ptr + (r0 + t).to(gl.int64) * s_ob, tile0, ns[t], max_entries, out_scale)
         else:
-            keys, glob = _decode(words, srow, srow_acc)
+            keys, glob = _decode(words, srow)
             for t in gl.static_range(TOKENS):
                 if t < cnt:
                     _store_q16(q_s, q_ptr, r0 + t, s_qb, s_qh)
@@ -655,16 +670,16 @@ def supported(q: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, fmt_name
             and torch.cuda.get_device_capability(q.device)[0] == 9):
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == t.shape[2] and t.stride(2) == 1
-               for t in (data, scale)) and data.shape[1:] == (EPB, 64) and scale.shape[1:] == (EPB, 4)
+               for t in (data, scale)) and data.shape[1:] == (EPB, 64) and scale.shape[1:] == (EPB, 4) and \
+        scale.stride(0) == data.stride(0) and scale.data_ptr() == data.data_ptr() + EPB * 64   # one page, as stored
 
 
-def _descriptors(data: torch.Tensor, scale: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """Copies of one page: its key words [1, 64, 16] int32 and its scale words [1, 64] int32."""
+def _descriptor(data: torch.Tensor, scale: torch.Tensor) -> TensorDescriptor:
+    """One copy a page: its key words and the scale words right after them, rows 0-16 of 64 int32 in
+    a box of 32 (`_PAGE_ROWS`)."""
     nb = data.shape[0]
-    words = torch.as_strided(data.view(torch.int32), (nb, EPB, 16), (data.stride(0) // 4, 16, 1))
-    scales = torch.as_strided(scale.view(torch.int32), (nb, EPB), (scale.stride(0) // 4, 1))
-    return (TensorDescriptor.from_tensor(words, [1, EPB, 16], _flat(3)),
-            TensorDescriptor.from_tensor(scales, [1, EPB], _flat(2)))
+    page = torch.as_strided(data.view(torch.int32), (nb, 17, EPB), (data.stride(0) // 4, EPB, 1))
+    return TensorDescriptor.from_tensor(page, [1, 32, EPB], _flat(3))
 
 
 def programs_per_request(programs: int, max_entries: int) -> int:
@@ -683,13 +698,13 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
     nprog = programs_per_request(programs, max_entries)
     if gmax is not None:
         assert gmax.shape == (bsz, nprog * EPB) and gmax.dtype == torch.int32 and gmax.stride(1) == 1
-    d_desc, s_desc = _descriptors(data, scale)
+    desc = _descriptor(data, scale)
     chain = int8 and pdl(q.device)    # the scan set up while `_q8_kernel` runs
     # the int8 scan's tiles for the bf16 MMA: a count (zeroed by `_q8_kernel`), then up to every tile
     redo = torch.empty(bsz, tiles + 1, dtype=torch.int32, device=q.device) if int8 else None
     q8, kw, fits = _queries8(q, weights, weight_scale, chain, run=int8, redo=redo)
     gm = gmax if gmax is not None else kw
-    scan = (q, weights, q8, kw, fits, redo if int8 else kw, out, gm, d_desc, s_desc, block_table, num_entries,
+    scan = (q, weights, q8, kw, fits, redo if int8 else kw, out, gm, desc, block_table, num_entries,
             q.stride(0), q.stride(1), weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0,
             block_table.stride(0), redo.stride(0) if int8 else 0)
     k = _scan_tma_kernel[(bsz, nprog)](
@@ -698,7 +713,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, data: torc
         maxnreg=maxnreg or (MAXNREG_INT8 if int8 else MAXNREG), **({"launch_pdl": True} if chain else {}))
     if int8:
         _scan_redo_kernel[(bsz, nprog)](
-            q, weights, redo, out, gm, d_desc, s_desc, block_table, num_entries, q.stride(0), q.stride(1),
+            q, weights, redo, out, gm, desc, block_table, num_entries, q.stride(0), q.stride(1),
             weights.stride(0), out.stride(0), gmax.stride(0) if gmax is not None else 0, block_table.stride(0),
             redo.stride(0), nprog, max_entries, block_table.shape[1], 128 ** -0.5, weight_scale,
             GMAX=gmax is not None, PDL=chain, num_warps=4, **({"launch_pdl": True} if chain else {}))
@@ -730,11 +745,11 @@ def launch_prefill(q: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, da
     with at most `tokens` rows each, visible [T] int32, block_table rows per request."""
     tiles = triton.cdiv(max_entries, EPB)
     nprog = programs_per_request(programs, max_entries)
-    d_desc, s_desc = _descriptors(data, scale)
+    desc = _descriptor(data, scale)
     chain = pdl(q.device)       # the scan set up while `_q8_kernel` runs
     q8, kw, fits = _queries8(q, weights, weight_scale, chain)
     return _prefill_scan_tma_kernel[(groups.shape[0], nprog)](
-        q, weights, q8, kw, fits, out, d_desc, s_desc, block_table, visible, groups,
+        q, weights, q8, kw, fits, out, desc, block_table, visible, groups,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0), block_table.stride(0), tiles, max_entries,
         block_table.shape[1], 128 ** -0.5, weight_scale, NS=stages, TOKENS=tokens, PDL=chain, num_warps=4,
         maxnreg=maxnreg or PREFILL_MAXNREG, **({"launch_pdl": True} if chain else {}))
