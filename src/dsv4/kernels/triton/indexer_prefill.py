@@ -89,7 +89,8 @@ def grouped_scores(q: torch.Tensor, weights: torch.Tensor, idx_views: dict[str, 
         return out.fill_(float("-inf"))
     tma_ok = cuda and indexer_scan_tma.supported(q, data, scale, fmt.name, epb, prec)
     if tma and not tma_ok:
-        raise FormatError("the TMA prefill scan needs mxfp4 keys at bf16, 64 heads of 128, 64 keys a page, sm_90")
+        raise FormatError("the TMA prefill scan needs mxfp4 keys at bf16, 64 heads of 128, 64 keys a page "
+                          "(its scale bytes right after its key bytes, as the pool stores them), sm_90")
     if tma_ok and tma is not False:
         k = indexer_scan_tma.launch_prefill(
             _scan_queries(q), weights.float().contiguous(), out, data, scale, block_table, visible.to(torch.int32),

@@ -222,7 +222,8 @@ def scores_and_maxima(q: torch.Tensor, weights: torch.Tensor, idx_views: Views, 
     tma_ok = scan is not False and indexer_scan_tma.supported(q, data, scale, fmt.name, epb, prec)
     if tma and not tma_ok:
         raise InputError("the TMA indexer scan takes mxfp4 keys at bf16, [B, 64, 128] queries, 64 keys a "
-                         "page and an sm_90 GPU")
+                         "page (its scale bytes right after its key bytes, as the pool stores them) and an "
+                         "sm_90 GPU")
     total = bsz * triton.cdiv(max_entries, 64)
     if tma_ok and (tma or (tma is None and total >= TMA_TILES)):
         # programs per SM as the pointer scan's (16 from SCAN_MANY_TILES tiles, else 4): H100, 128K B = 64,
