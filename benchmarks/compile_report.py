@@ -76,6 +76,8 @@ def compile_info(fn: Any, args: tuple, kw: dict) -> dict[str, Any] | str:
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     except Exception as e:
+        while e.__cause__ is not None:      # Triton chains an error per inlined function: the innermost says why
+            e = e.__cause__
         return f"{type(e).__name__}: {str(e)[-int(os.environ.get('ERR_CHARS', 300)):]}"
     binp = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:

@@ -359,18 +359,19 @@ def test_indexer_scan_tma_queries_int8():
 def test_indexer_scan_tma_int8_fallback():
     """The TMA scan's int8 MMA takes a tile whose keys' scale groups lie within 2^2 of each other, for
     requests whose queries are integers of one power-of-two unit a head; other tiles and requests take
-    its bf16 MMA. Keys: groups 0..2 octaves apart at random, one key of every third page 3 apart (its
-    tile falls back); queries: one head of request 1 2^12 apart between groups (its programs fall back),
-    request 2 with a zero head and a zero weight. Against the reference and the bf16 MMA alone. The
-    fallback tiles run in a kernel of their own (`_scan_redo_kernel`): also their group maxima (against
-    torch's over the scores, 1 and 3 programs a request) and a CUDA-graph replay (the tiles' list is
-    reset each call)."""
+    its bf16 MMA. Keys: groups 0..2 octaves apart at random, one key of every third page and one of
+    every fifth 3 apart (rows 7 and 50: the first and the last warp's; the tile falls back); queries:
+    one head of request 1 2^12 apart between groups (its programs fall back), request 2 with a zero
+    head and a zero weight. Against the reference and the bf16 MMA alone. The fallback tiles run in a
+    kernel of their own (`_scan_redo_kernel`): also their group maxima (against torch's over the
+    scores, 1 and 3 programs a request) and a CUDA-graph replay (the tiles' list is reset each call)."""
     args = list(_tma_args((5, 64, 200, 1000, 257)))
     scale = args[3].typed(args[2])["scale"]
     g = torch.Generator().manual_seed(3)
     base = torch.randint(118, 134, scale.shape[:2] + (1,), generator=g)
     sc = base + torch.randint(0, 3, scale.shape, generator=g)
     sc[::3, 7] = base[::3, 7] + torch.tensor([0, 0, 3, 1])
+    sc[1::5, 50] = base[1::5, 50] + torch.tensor([3, 0, 1, 0])     # a key of another warp's rows
     scale.copy_(sc.to(torch.uint8).to(scale.device))
     q, w = args[0].clone(), args[1].clone()
     q[1, 5, :32] *= 2.0 ** 12

@@ -299,9 +299,9 @@ def test_grouped_scan_tma(tokens, programs):
     and a group's queries allow it, else the bf16 one) against the reference scores (exact operands)
     and the Triton grouped scan: real-size rows whose visible entries cross 63 / 64 / 65, 127 / 128 /
     129 and 255 / 256 / 257, groups cut short by a request's end, 1-3 programs a group, output
-    poisoned. Scale groups 0-2 octaves apart at random, one key of every third page 3 apart (those
-    tiles take the bf16 MMA); one row's queries a head 2^12 apart between groups (its group takes the
-    bf16 MMA) and a zero weight."""
+    poisoned. Scale groups 0-2 octaves apart at random, one key of every third page (row 7) and of
+    every fifth (row 50) 3 apart (those tiles take the bf16 MMA); one row's queries a head 2^12 apart
+    between groups (its group takes the bf16 MMA) and a zero weight."""
     from test_triton_decode import TOL, cache, close, max_rel
 
     from dsv4.kernels.reference import decode as ref_decode
@@ -322,6 +322,7 @@ def test_grouped_scan_tma(tokens, programs):
     base = torch.randint(118, 134, scale.shape[:2] + (1,), generator=gen)
     sc = base + torch.randint(0, 3, scale.shape, generator=gen)
     sc[::3, 7] = base[::3, 7] + torch.tensor([0, 0, 3, 1])
+    sc[1::5, 50] = base[1::5, 50] + torch.tensor([3, 0, 1, 0])     # a key of another warp's rows
     scale.copy_(sc.to(torch.uint8).to(dev))
     q[20, 5, :32] *= 2.0 ** 12
     w = torch.randn(len(pos), 64, generator=gen).to(dev)

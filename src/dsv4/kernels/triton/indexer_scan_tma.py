@@ -40,9 +40,9 @@ against 17) as 64 + k, an int8 MMA at twice the bf16 rate gives the dots exactly
 the offset 64 sum q), and ReLU(S) read as a denormal float times w 2^(u + 100) puts the head sum
 in fp32 with no conversion instruction; both per-head factors are read from shared memory a tile
 (in registers they held 32 a thread across the loop), so the int8 kernel runs at 80 registers, six
-programs an SM (`MAXNREG_INT8`). A tile with a wider key (every warp checks all 64 scale
-words: no barrier) or a request whose queries are not such integers runs the bf16 MMA above, in a
-kernel of its own (below). H100:
+programs an SM (`MAXNREG_INT8`). A tile with a wider key (each warp stores the widest spread of
+its 16 keys before the tile's CTA barrier and reads the four after it) or a request whose queries
+are not such integers runs the bf16 MMA above, in a kernel of its own (below). H100:
 -4 to -6% from 16,384 tiles (128K B = 64 93.2 against 98.7 µs, 1M B = 64 618 against 655); the MMA
 at half its cost bought less than its share, as the tile's integer instructions (prmt, lop3 and
 the max run at half the FMA pipe's rate) grew. Six programs an SM with the factors in shared memory,
@@ -195,9 +195,10 @@ def _issue(raw, ready, desc, s, blk):
 def _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS: gl.constexpr):
     """The NS page stages and their barriers, the program's first NS pages (tiles p0, p0 + step, ..
     of the `mine` it scans, in request req's block-table row) in flight; returns the stages, the
-    barriers and that row."""
+    barriers, the warps' key spreads (`_load`) and that row."""
     raw = gl.allocate_shared_memory(gl.int32, [NS, 1, _PAGE_ROWS, _EPB], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    spread_s = gl.allocate_shared_memory(gl.int32, [2, 8, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()            # the barriers' initialisation before the copies use them
@@ -205,7 +206,7 @@ def _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS: gl.con
     for i in gl.static_range(NS):
         if i < mine:
             _issue(raw, ready, desc, i, _block(bt_row, p0 + i * step, max_blocks))
-    return raw, ready, bt_row
+    return raw, ready, spread_s, bt_row
 
 
 # One key word -> four bf16x2 (pack = 4: $4-$7 the word, $8-$11 the bf16x2 factor 2^(126 + e_g - e_max)
@@ -253,31 +254,47 @@ def _bytes_min(w):
 
 
 @gluon.jit
-def _load(raw, s, INT8: gl.constexpr):
-    """Stage s's page into registers: the key words of each lane's scale group (`_keys` rows), the
-    rows' scale words and whether every key's groups lie within 2^2 of each other (every warp reads
-    all 64 scale words: no warp waits on another)."""
+def _bytes_max(w):
+    hi = w & 0xFF
+    for g in gl.static_range(1, 4):
+        hi = gl.maximum(hi, (w >> 8 * g) & 0xFF)
+    return hi
+
+
+@gluon.jit
+def _load(raw, s, spread_s, it, INT8: gl.constexpr):
+    """Stage s's page into registers: the key words of each lane's scale group (`_keys` rows) and the
+    rows' scale words. INT8: each warp also stores the widest spread e_max - e_min of its 16 keys into
+    slot it % 2 of spread_s, which every warp reads after the tile's CTA barrier (`_narrow`). Slot
+    it % 2 is next written two tiles on, after the next tile's barrier, so no warp reads it late."""
     W5: gl.constexpr = gl.SliceLayout(4, _keys())                                # [w, h, g, i, t]
     R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
     # word 4 t + i of row (w, h, g): i runs fastest in memory (the page's first 1,024 words)
     page_d = raw.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
     srow_s = raw.index(s)._reinterpret(gl.int32, [_PAGE_ROWS, _EPB], _flat(2)).slice(16, 1)     # [1, 64]
     page_s = srow_s._reinterpret(gl.int32, [4, 2, 8], _flat(3))
-    scales = srow_s._reinterpret(gl.int32, [_EPB], _flat(1))
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
-    narrow = False
     if INT8:
-        every = scales.load(gl.BlockedLayout([2], [32], [4], [0]))               # replicated in each warp
-        hi = every & 0xFF
-        for g in gl.static_range(1, 4):
-            hi = gl.maximum(hi, (every >> 8 * g) & 0xFF)
-        narrow = gl.max(hi - _bytes_min(every), axis=0) <= 2
-    return words, srow, narrow
+        spread = gl.max(_bytes_max(srow) - _bytes_min(srow), axis=1)             # [w, g]: a lane's two keys
+        # the warp's widest (every lane the same), one `redux` where Triton's reduction over the lanes
+        # takes three shuffles and maxima
+        spread = gl.inline_asm_elementwise("redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", [spread],
+                                           dtype=gl.int32, is_pure=True, pack=1)
+        spread_s.index(it % 2).permute((1, 0)).store(spread)                     # [g, w]: row 0 every warp's
+    return words, srow
 
 
 @gluon.jit
-def _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS: gl.constexpr,
+def _narrow(spread_s, it):
+    """Whether every key of the tile has its scale groups within 2^2 of each other (`_load`'s spreads
+    of the four warps, read after the tile's CTA barrier)."""
+    every = spread_s.index(it % 2).slice(0, 1).load(gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0]))  # [1, 4]
+    return gl.max(gl.max(every, axis=1), axis=0) <= 2
+
+
+@gluon.jit
+def _next_page(raw, ready, spread_s, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS: gl.constexpr,
                INT8: gl.constexpr):
     """The program's tile `it` from its stage (`_load`), once its copies land; the stage then refills
     with the page NS tiles ahead (blk, looked up an iteration before); returns the tile and the page
@@ -286,10 +303,13 @@ def _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS
     here, on the tile's chain (ncu: its latency was ~3.7% of the scan's stall samples)."""
     s = it % NS
     mbarrier.wait(ready.index(s), (it // NS) & 1)
-    words, srow, narrow = _load(raw, s, INT8)
-    _barrier()                  # every warp has read stage s ...
+    words, srow = _load(raw, s, spread_s, it, INT8)
+    _barrier()                  # every warp has read stage s (and stored its spread) ...
     if it + NS < mine:          # ... so it refills, NS tiles ahead
         _issue(raw, ready, desc, s, blk)
+    narrow = False
+    if INT8:
+        narrow = _narrow(spread_s, it)
     return words, srow, narrow, _block(bt_row, p0 + (it + NS + 1) * step, max_blocks)
 
 
@@ -432,7 +452,7 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
     step = gl.num_programs(1)
     n_b = gl.minimum(gl.load(nent_ptr + b), max_entries)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_b, _EPB) - p0, 0), step)
-    raw, ready, bt_row = _first_pages(desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
+    raw, ready, spread_s, bt_row = _first_pages(desc, bt_ptr, b, s_bt, p0, step, mine, max_blocks, NS)
 
     ACC: gl.constexpr = _acc()
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
@@ -469,7 +489,8 @@ def _scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, redo_ptr, out_ptr, 
     gm = gl.full([_EPB], -2147483648, gl.int32, layout=GM_L)       # the least key: a group with no score
     blk = _block(bt_row, p0 + NS * step, max_blocks)
     for it in range(0, mine):
-        words, srow, narrow, blk = _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS, INT8)
+        words, srow, narrow, blk = _next_page(raw, ready, spread_s, desc, bt_row, it, blk, p0, step, mine, max_blocks,
+                                              NS, INT8)
         tile0 = (p0 + it * step) * _EPB
         if INT8:
             if narrow & q_fits:
@@ -532,7 +553,7 @@ def _scan_redo_kernel(q_ptr, w_ptr, redo_ptr, out_ptr, gmax_ptr, desc, bt_ptr, n
             tile = gl.load(redo_ptr + b * s_rb + 1 + r + i * gl.num_programs(1))
             _issue(raw, ready, desc, 0, _block(bt_row, tile, max_blocks))
             mbarrier.wait(ready.index(0), i & 1)
-            words, srow, _narrow = _load(raw, 0, False)
+            words, srow = _load(raw, 0, raw, i, False)
             _barrier()              # every warp has read the page before the next copy
             sc = _tile16(words, srow, qt, wts, out_row, tile * _EPB, n_b, max_entries, out_scale)
             if GMAX:
@@ -566,7 +587,7 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, de
         ns = ns + (n_t,)
         n_all = gl.maximum(n_all, n_t)
     mine = gl.cdiv(gl.maximum(gl.cdiv(n_all, _EPB) - p0, 0), step)
-    raw, ready, bt_row = _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS)
+    raw, ready, spread_s, bt_row = _first_pages(desc, bt_ptr, req, s_bt, p0, step, mine, max_blocks, NS)
     if PDL:                         # `_q8_kernel`'s results (the pages' copies above go out before it ends)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     Q8_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
@@ -592,7 +613,8 @@ def _prefill_scan_tma_kernel(q_ptr, w_ptr, q8_ptr, kw_ptr, fits_ptr, out_ptr, de
     h = gl.arange(0, 64, layout=gl.SliceLayout(0, ACC))
     blk = _block(bt_row, p0 + NS * step, max_blocks)
     for it in range(0, mine):
-        words, srow, narrow, blk = _next_page(raw, ready, desc, bt_row, it, blk, p0, step, mine, max_blocks, NS, True)
+        words, srow, narrow, blk = _next_page(raw, ready, spread_s, desc, bt_row, it, blk, p0, step, mine, max_blocks,
+                                              NS, True)
         tile0 = (p0 + it * step) * _EPB
         if narrow & q_fits:
             keys8, glob8 = _decode8(words, srow)
