@@ -65,6 +65,10 @@ refill. Triton puts a CTA barrier before each copy, and a proxy fence that waits
 loads in flight; a second copy for the scale words cost a barrier a tile, and a lookup issued before
 the fence was waited for on the tile's chain (ncu: ~3.7% of the scan's stall samples). H100, B = 64,
 indexer µs, trees alternated: 128K 100.7 -> 99.5 / 99.8, 1M 619.5 / 628.6 -> 604.1 / 613.6 (#225).
+The tile's int8-or-not decision rides on the barrier before its refill: a warp's spread reuses the decode's
+e_min and one `redux`, where every warp reading all 64 scale words took ~20 instructions and two
+loads a tile more (loop 385 -> 378). H100, B = 64, cache-side µs, trees alternated: 128K 134.5 /
+134.5 -> 133.2 / 133.3, 1M 634.7 / 643.7 -> 635.1 / 633.4 (#226).
 
 With `gmax` (GMAX) each program also keeps the maxima of its 64 row slots over its tiles (groups of
 entries 64 P apart, P programs a request) and stores them as the top-k's int32 keys: the top-k's
