@@ -250,19 +250,15 @@ _RELU_DENORMAL_ASM = gl.constexpr("{\n.reg .b32 t;\nadd.s32 t, $1, $2;\nmul.sat.
 
 
 @gluon.jit
-def _bytes_min(w):
+def _bytes_range(w):
+    """The least and the greatest of a word's four bytes (a key's four scale exponents)."""
     lo = w & 0xFF
+    hi = lo
     for g in gl.static_range(1, 4):
-        lo = gl.minimum(lo, (w >> 8 * g) & 0xFF)
-    return lo
-
-
-@gluon.jit
-def _bytes_max(w):
-    hi = w & 0xFF
-    for g in gl.static_range(1, 4):
-        hi = gl.maximum(hi, (w >> 8 * g) & 0xFF)
-    return hi
+        byte = (w >> 8 * g) & 0xFF
+        lo = gl.minimum(lo, byte)
+        hi = gl.maximum(hi, byte)
+    return lo, hi
 
 
 @gluon.jit
@@ -280,7 +276,8 @@ def _load(raw, s, spread_s, it, INT8: gl.constexpr):
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
     if INT8:
-        spread = gl.max(_bytes_max(srow) - _bytes_min(srow), axis=1)             # [w, g]: a lane's two keys
+        lo, hi = _bytes_range(srow)
+        spread = gl.max(hi - lo, axis=1)                                         # [w, g]: a lane's two keys
         # the warp's widest (every lane the same), one `redux` where Triton's reduction over the lanes
         # takes three shuffles and maxima
         spread = gl.inline_asm_elementwise("redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", [spread],
@@ -362,7 +359,7 @@ def _decode8(words, srow):
     W5: gl.constexpr = gl.SliceLayout(4, S6)                                     # [w, h, g, i, t]
     words = gl.convert_layout(words, W5)
     srow = gl.convert_layout(srow, gl.SliceLayout(3, gl.SliceLayout(4, W5)))
-    emin = _bytes_min(srow)
+    emin, _ = _bytes_range(srow)
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, W5)))))
     t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 0), 0)   # [1, 1, 1, 1, 4]
     byte = (gl.expand_dims(gl.expand_dims(srow, 3), 4) >> (8 * t)) & 0xFF
