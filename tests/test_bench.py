@@ -77,10 +77,10 @@ def test_quick_run_writes_well_formed_json(tmp_path, one_thread, capsys):
         assert {(r["op"], r["impl"]) for r in _rows(doc, kind="prefill", layer=layer)} == {
             ("compress_flush", "reference"), ("layer", "reference"), ("layer", "hf")}
     # one case by hand (quick model: D 128, H 4, W 16, m' 16, fp8_ds entry 64 + 2*64 + 8 = 200 B):
-    # HCA attention at C = 256, B = 3 reads q and writes o (fp32), the 16-row ring and its positions,
-    # and all 256 // 16 = 16 entries; 4*H*D FLOPs per key
+    # HCA attention at C = 256, B = 3 reads q and writes o (bf16, as the step passes them on the GPU),
+    # the 16-row ring and its positions, and all 256 // 16 = 16 entries; 4*H*D FLOPs per key
     (att,) = _rows(doc, kind="decode", layer="hca", context=256, batch=3, op="attention", impl="reference")
-    assert att["bytes"] == 3 * (2 * 4 * 128 * 4 + 16 * 200 + 16 * 4 + 16 * 200)
+    assert att["bytes"] == 3 * (2 * 4 * 128 * 2 + 16 * 200 + 16 * 4 + 16 * 200)
     assert att["flops"] == 3 * 4 * 4 * 128 * (16 + 16)
     assert [t["layer"] for t in doc["targets"]] == ["csa", "hca"] * 3
     assert all(t["met"] is None for t in doc["targets"])        # 128K / batch 64 is not in a quick run
@@ -95,9 +95,12 @@ def test_counts_by_hand():
     csa = Geometry.of(cfg, "csa")
     assert (hca.entry_bytes, csa.idx_entry_bytes) == (e, e_i)
 
-    # HCA attention, C = 64, B = 1: q + o fp32, 16 ring rows + positions, 64 // 16 = 4 entries
+    # HCA attention, C = 64, B = 1: q + o bf16, 16 ring rows + positions, 64 // 16 = 4 entries
     w = decode_work(hca, batch=1, context=64, score_width=4)["attention"]
-    assert w.total_bytes == 2 * 4 * 128 * 4 + 16 * e + 16 * 4 + 4 * e
+    assert w.total_bytes == 2 * 4 * 128 * 2 + 16 * e + 16 * 4 + 4 * e
+    # fp32 entries: the step passes fp32 queries (the output stays in the layer's bf16)
+    w = decode_work(Geometry.of(cfg, "hca", kv_format="fp32"), batch=1, context=64, score_width=4)["attention"]
+    assert w.bytes["q_read"] == 4 * 128 * 4 and w.bytes["o_write"] == 4 * 128 * 2
     assert w.total_flops == 4 * 4 * 128 * (16 + 4)
     # CSA indexer, C = 256, B = 3: 64 keys scanned, 64-wide scores, top-6
     w = decode_work(csa, batch=3, context=256, score_width=64)["indexer"]
@@ -105,7 +108,7 @@ def test_counts_by_hand():
     assert w.total_flops == 3 * 2 * 16 * 64 * 64
     # CSA attention reads W + min(k, N_I) entries (+ the int64 indices); the layer adds the weights once
     ops = decode_work(csa, batch=3, context=256, score_width=64)
-    assert ops["attention"].total_bytes == 3 * (2 * 4 * 128 * 4 + (16 + 6) * e + 16 * 4 + 6 * 8)
+    assert ops["attention"].total_bytes == 3 * (2 * 4 * 128 * 2 + (16 + 6) * e + 16 * 4 + 6 * 8)
     assert ops["cache"].total_bytes == sum(ops[k].total_bytes for k in ("append", "flush", "indexer", "attention"))
     assert ops["layer"].total_bytes == ops["cache"].total_bytes + 2 * csa.params + 2 * 3 * 64 * 2
     assert ops["layer"].total_flops == ops["cache"].total_flops + 2 * 3 * csa.proj_params
@@ -161,6 +164,38 @@ def test_synthetic_decode_state_is_valid(one_thread):
         with torch.no_grad():
             out = blk(st.x, b, st.mgr.acquire(LAYER_INDEX[kind], b))
         assert out.shape == (2, cfg.hidden_size) and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_attention_op_takes_what_the_layer_passes(backend, one_thread):
+    """The attention and cache rows time the attention as `decode_path.decode_attend` calls it: q in
+    `query_dtype` (bf16 on Triton for the bf16-exact formats), the output in x's dtype and de-rotated
+    by the op at the step's positions. The call is recorded, not run (the Triton namespace's name is
+    all that changes q's dtype)."""
+    import types
+
+    from dsv4.attention.decode_path import query_dtype
+    from dsv4.bench.decode import op_closures
+    from dsv4.kernels.dispatch import ops_for
+
+    cfg, tpb = bench_config(quick=True)
+    st = build_decode_state(cfg, context=64, batch=2, device=torch.device("cpu"), tokens_per_block=tpb,
+                            kv_format="fp8_ds", indexer_format="mxfp4")
+    ops = types.SimpleNamespace(**vars(ops_for("cpu", "reference")))
+    ops.name = backend
+    calls = []
+    ops.decode_attention = lambda *args, **kwargs: calls.append((args, kwargs))
+    for kind in ("csa", "hca"):
+        li = LAYER_INDEX[kind]
+        blk = make_block(cfg, li, torch.device("cpu"))
+        calls.clear()
+        op_closures(blk, st, ops, li)["attention"]()
+        ((args, kwargs),) = calls
+        want_q = query_dtype(ops, st.mgr.schemas[li].kv_format)
+        assert want_q == (torch.bfloat16 if backend == "triton" else torch.float32)
+        assert args[0].dtype == want_q and kwargs["out_dtype"] == st.x.dtype == torch.bfloat16
+        cos, sin = ops.rope_cos_sin(blk.rope.inv_freq_on(torch.device("cpu")), st.batch.positions)
+        assert torch.equal(kwargs["rope"][0], cos) and torch.equal(kwargs["rope"][1], sin)
 
 
 def test_synthetic_indexer_keys_do_not_repeat_within_a_request(one_thread, monkeypatch):

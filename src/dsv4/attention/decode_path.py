@@ -52,6 +52,8 @@ from dsv4.model.layer_schedule import AttentionType
 if TYPE_CHECKING:
     import types
 
+    from dsv4.cache.formats import EntryFormat
+
 
 def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     """An event recorded on `stream` now (None off CUDA)."""
@@ -60,6 +62,13 @@ def _recorded(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
+
+
+def query_dtype(ops: types.SimpleNamespace, fmt: EntryFormat) -> torch.dtype:
+    """The dtype a decode step hands the attention its queries in. Triton's dots take q as bf16 for
+    bf16-exact formats: norm_rope rounds it once, so no conversion kernel runs before the attention
+    (the same rounding the kernels would do); the reference and the fp32 format keep fp32."""
+    return torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
 
 
 def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.SimpleNamespace) -> torch.Tensor:
@@ -121,9 +130,7 @@ def decode_attend(blk, x: torch.Tensor, cache: LayerCacheHandle, ops: types.Simp
     if sch.attn_type in WINDOW_ON_TABLE:   # beside the compressors' chain, right after cos/sin
         with on(table):
             _append_window(blk, proj, cos, sin, cache, ops, table, inputs_ready)
-    # Triton's dots take q as bf16 for bf16-exact formats: norm_rope rounds it once, so no
-    # conversion kernel runs before the attention (the same rounding the kernels would do)
-    q_dtype = torch.bfloat16 if ops.name == "triton" and fmt.name != "fp32" else torch.float32
+    q_dtype = query_dtype(ops, fmt)
     rows = b.num_requests
     up_branch = side_stream(dev, 2) if csa and SPLIT_QUERY_UP[0] <= rows <= SPLIT_QUERY_UP[1] else None
     if up_branch is not None:

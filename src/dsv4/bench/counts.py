@@ -1,8 +1,10 @@
 """Bytes moved and FLOPs of each benchmarked op: the work the op must do, counted at its interface.
 
 Every op reads its inputs once and writes its outputs once, in the dtypes the interfaces use
-(`dsv4.kernels.reference.decode` / `cache_ops`): activations bf16 (2 B), compressor inputs,
-states, queries and attention outputs fp32 (4 B), stored entries in their format
+(`dsv4.kernels.reference.decode` / `cache_ops`): activations bf16 (2 B), compressor inputs and
+states fp32 (4 B), the attention's queries and output as the decode step passes them on the GPU
+(`decode_path.query_dtype`: bf16 q, fp32 for the fp32 format; the output in the layer's bf16), stored
+entries in their format
 (fp8_ds main entry E = 584 B, mxfp4 indexer key E_I = 68 B at V4 shapes). Metadata of a few bytes
 per request (positions, slots, block tables) is left out. FLOPs count the matrix work only:
 elementwise exp / norm / RoPE / ReLU are not counted (they are far below either ceiling).
@@ -19,8 +21,9 @@ W' = min(W, C) window keys, N_s = the static score width (ForwardBatch.seq_len_b
                   write_entries    read B·D·4           write B·E
     indexer     read q B·H_I·D_I·4, g B·H_I·4, keys B·N_I·E_I;  write scores B·N_s·4
                 top-k: read B·N_s·4, write B·k·8                    FLOPs 2·H_I·D_I·N_I·B
-    attention   read q B·H·D·4, ring B·W'·E + positions B·W·4, entries B·S·E (S = k' CSA, N_H HCA),
-                CSA indices B·k·8;  write o B·H·D·4                 FLOPs 4·H·D·(W' + S)·B
+    attention   read q B·H·D·Q (Q = 2, 4 for fp32 entries), ring B·W'·E + positions B·W·4, entries
+                B·S·E (S = k' CSA, N_H HCA), CSA indices B·k·8;  write o B·H·D·2
+                                                                    FLOPs 4·H·D·(W' + S)·B
     cache       the sum of the above (the target: >= 70% of roofline at B = 64, C = 128K)
     layer       cache + every parameter once (bf16) + x read and out written B·d·2 each;
                 FLOPs cache + 2·B·(projection weights)
@@ -85,6 +88,7 @@ class Geometry:
     idx_heads: int
     idx_dim: int
     entry_bytes: int
+    query_bytes: int           # of a query element as the step passes it (bf16; fp32 for fp32 entries)
     idx_entry_bytes: int       # 0 for HCA
     params: int                # every parameter of the layer's attention
     proj_params: int           # the matmul weights among them
@@ -98,6 +102,7 @@ class Geometry:
                    window=cfg.sliding_window, ratio=cfg.csa_compression_ratio if csa else cfg.hca_compression_ratio,
                    topk=cfg.index_topk, idx_heads=cfg.index_n_heads, idx_dim=cfg.indexer_head_dim,
                    entry_bytes=main_format(kv_format, cfg.head_dim, cfg.rope_dim).entry_bytes,
+                   query_bytes=F32 if kv_format == "fp32" else BF16,
                    idx_entry_bytes=indexer_format(idx_format, cfg.indexer_head_dim).entry_bytes if csa else 0,
                    params=proj + other, proj_params=proj, fp8_params=fp8_layer_params(cfg, kind))
 
@@ -171,8 +176,8 @@ def decode_work(g: Geometry, batch: int, context: int, score_width: int, fp8_wei
         s = min(g.topk, n_i)
     else:
         s = n_i
-    att = {"q_read": b * g.heads * d * F32, "ring_read": b * w_eff * e, "ring_pos_read": b * g.window * 4,
-           "entries_read": b * s * e, "o_write": b * g.heads * d * F32}
+    att = {"q_read": b * g.heads * d * g.query_bytes, "ring_read": b * w_eff * e, "ring_pos_read": b * g.window * 4,
+           "entries_read": b * s * e, "o_write": b * g.heads * d * BF16}
     if g.csa:
         att["indices_read"] = b * g.topk * I64
     ops["attention"] = Work(bytes=att, flops={"attention": 4 * g.heads * d * (w_eff + s) * b})

@@ -9,7 +9,8 @@ both layers and every implementation; per layer:
                                                                   scatter of the finished entry (CSA: main
                                                                   and indexer compressors), as the layer runs it
     indexer     decode_indexer_topk (scores + top-k)          CSA only
-    attention   decode_attention                              window + top-k (CSA) / all entries (HCA)
+    attention   decode_attention                              window + top-k (CSA) / all entries (HCA);
+                                                                  q, output and RoPE as the layer has them
     cache       the four above on the decode step's branches  "cache-side decode work": the compressors
                                                                   on a side branch (CSA: the indexer's
                                                                   first, whose keys the scan waits for),
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv4.attention.decode_path import URGENT_BRANCHES, WINDOW_ON_TABLE
+from dsv4.attention.decode_path import URGENT_BRANCHES, WINDOW_ON_TABLE, query_dtype
 from dsv4.bench.common import FP8_IMPL, LAYER_INDEX, Row
 from dsv4.bench.counts import Geometry, Work, decode_work
 from dsv4.bench.setup import DecodeState, acquire, build_decode_state, cache_bytes
@@ -144,7 +145,10 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
         return c, z
 
     kv = torch.randn(n, cfg.head_dim, device=dev, generator=gen).to(x.dtype)
-    q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device=dev, generator=gen)
+    # the attention's queries and output as the layer passes them (`decode_path.decode_attend`): q in
+    # `query_dtype`, the output in x's dtype, de-rotated by the op (RoPE at -t on its rope channels)
+    q = torch.randn(n, cfg.num_attention_heads, cfg.head_dim, device=dev, generator=gen).to(query_dtype(ops, fmt))
+    rope = ops.rope_cos_sin(blk.rope.inv_freq_on(dev), b.positions)
     c, z = cz(comp)
     num_entries, max_entries = b.visible_entries[ratio], b.seq_len_bound // ratio
     fns: dict[str, Callable[[], Any]] = {}
@@ -178,7 +182,7 @@ def op_closures(blk: Any, state: DecodeState, ops: types.SimpleNamespace, layer_
     def attention(sel: torch.Tensor | None) -> torch.Tensor:
         return ops.decode_attention(q, st.swa, fmt, st.swa_pos, b.request_slots, b.positions, cfg.sliding_window,
                                     pool.kv, b.block_table, epb, sel, None if csa else num_entries, max_entries,
-                                    blk.sinks, cfg.head_dim ** -0.5)
+                                    blk.sinks, cfg.head_dim ** -0.5, rope=rope, out_dtype=x.dtype)
 
     fns["flush"] = flush
     selected = None
