@@ -4,7 +4,9 @@ stores, launch), and the combine alone, per scheme and split count.
 
     CTX=131072 BATCHES=64 SCHEMES="wide;halves" SPLITS="1,2" KINDS="csa,hca" python benchmarks/wide_phases.py
 
-(SPLITS 0: the default split count.)
+(SPLITS 0: the default split count.) The op and the combine take the output as the decode layer asks
+for it: bf16, de-rotated by the combine (`LAYER_FORM=0`: fp32 and not rotated, the form of the earlier
+rounds' rows).
 
 Times are CUDA-graph replays with the L2 flushed (`dsv4.bench.timing.Timer`), µs.
 """
@@ -25,7 +27,7 @@ from dsv4.kernels.triton import decode_combine as dcm
 
 
 def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int,
-            sinks: torch.Tensor) -> tuple[float, ...]:
+            sinks: torch.Tensor, form: dict) -> tuple[float, ...]:
     """µs of the op, its kernel (the arguments the op passed, caught by a spy), the kernel with no
     key tile (ring 0, no entries: every split's loop empty), and the combine of its partials."""
     seen = {}
@@ -38,7 +40,8 @@ def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int
 
     setattr(mod, name, spy)
     try:
-        op = timer.time(lambda: att.decode_attention(*aargs, scheme=scheme, num_splits=splits or None), graph=True)
+        op = timer.time(lambda: att.decode_attention(*aargs, scheme=scheme, num_splits=splits or None, **form),
+                        graph=True)
     finally:
         setattr(mod, name, real)
     a, kw = seen["args"], seen["kw"]
@@ -46,7 +49,8 @@ def _phases(timer: Timer, mod, name: str, aargs: tuple, scheme: str, splits: int
     empty = a[:4] + (0,) + a[5:8] + (0,) + a[9:]
     fixed = timer.time(lambda: real(*empty, **kw), graph=True)
     part, pml = seen["out"]
-    comb = timer.time(lambda: dcm.combine(part, pml, sinks, None, None, 512, 8, True), graph=True)
+    comb = timer.time(lambda: dcm.combine(part, pml, sinks, form.get("rope"), form.get("out_dtype"), 512, 8, True),
+                      graph=True)
     return op.us, kernel.us, fixed.us, comb.us
 
 
@@ -65,11 +69,15 @@ def main() -> int:
         for kind in os.environ.get("KINDS", "csa,hca").split(","):
             aargs = attention_case(st, kind, bsz, ctx, dev)
             sinks = aargs[13]
+            form = {}
+            if os.environ.get("LAYER_FORM", "1") == "1":   # the angles' values do not change the work
+                ang = torch.rand(bsz, 32, device=dev) * 6.28
+                form = {"rope": (ang.cos(), ang.sin()), "out_dtype": torch.bfloat16}
             for label in schemes:
                 mod, name = values[label]
                 scheme = label
                 for s in splits:
-                    op, kernel, fixed, comb = _phases(timer, mod, name, aargs, scheme, s, sinks)
+                    op, kernel, fixed, comb = _phases(timer, mod, name, aargs, scheme, s, sinks, form)
                     print(f"{kind} B={bsz} C={ctx} {label:12} splits={s}: op {op:6.1f}  kernel {kernel:6.1f}"
                           f"  no-tile kernel {fixed:6.1f}  combine {comb:6.1f}", flush=True)
     return 0
