@@ -7,7 +7,7 @@ indexer pool.
     its tiles past the request's entries.
 
 One warpgroup a program. NS pages are in flight: per tile one copy of the page (its key words and
-the scale words stored right after them) into a stage (`tma.async_copy_global_to_shared`, completing
+the scale words stored right after them) into a stage (a TMA copy, `_tma_load`, completing
 on the stage's mbarrier), issued NS tiles ahead when the stage is read. Per tile: each lane reads its own 16 bytes
 of each of its two key rows (one scale group), decoded to bf16 keys scaled by 2^(e_g - e_max)
 (exact, `_E2M1_WORD_ASM`) straight into the registers of the warpgroup MMA's A operand; the MMA's
@@ -103,9 +103,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier
+from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier, _view
 from dsv4.kernels.triton.decode_common import pdl, pdl_enter
 
+# a TMA copy into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
 _EPB = gl.constexpr(EPB)
@@ -192,7 +194,7 @@ def _issue(raw, ready, desc, s, blk):
     after the keys) into stage s, completing on ready[s]. One copy a page, not two: Triton's lowering
     puts a CTA barrier before each copy."""
     mbarrier.expect(ready.index(s), _PAGE_BYTES)
-    tma.async_copy_global_to_shared(desc, [blk, 0, 0], ready.index(s), raw.index(s))
+    _tma_load(desc, [blk, 0, 0], ready.index(s), raw.index(s))
 
 
 @gluon.jit
@@ -270,9 +272,9 @@ def _load(raw, s, spread_s, it, INT8: gl.constexpr):
     W5: gl.constexpr = gl.SliceLayout(4, _keys())                                # [w, h, g, i, t]
     R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
     # word 4 t + i of row (w, h, g): i runs fastest in memory (the page's first 1,024 words)
-    page_d = raw.index(s)._reinterpret(gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
-    srow_s = raw.index(s)._reinterpret(gl.int32, [_PAGE_ROWS, _EPB], _flat(2)).slice(16, 1)     # [1, 64]
-    page_s = srow_s._reinterpret(gl.int32, [4, 2, 8], _flat(3))
+    page_d = _view(raw.index(s), gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
+    srow_s = _view(raw.index(s), gl.int32, [_PAGE_ROWS, _EPB], _flat(2)).slice(16, 1)           # [1, 64]
+    page_s = _view(srow_s, gl.int32, [4, 2, 8], _flat(3))
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
     if INT8:

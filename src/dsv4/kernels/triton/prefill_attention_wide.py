@@ -88,7 +88,7 @@ def _window_tiles(k_s, bias_s, k_ready, k_free, old_ptr, oldpos_ptr, new_ptr, s_
         opos = gl.load(oldpos_ptr + b * s_opb + orow, mask=maybe_old, other=-1)
         ok = new | (maybe_old & (opos == p))
         rowp = gl.where(new, new_ptr + (i - t + p).to(gl.int64) * s_nt, old_ptr + b * s_ob + orow.to(gl.int64) * s_or)
-        rowp = gl.expand_dims(rowp, 1) + jr
+        rowp = gl.expand_dims(gl.multiple_of(rowp, 16), 1) + jr       # rows on 16-byte boundaries (`supported`)
         okr = gl.expand_dims(ok, 1) & (jr < 64)
         buf = (g + w) % 2
         mbarrier.wait(k_free.index(buf), (((g + w) // 2) & 1) ^ 1)
@@ -230,7 +230,8 @@ def _store_normed_q(q_s, inv_s, q0, q1, cos_ptr, sin_ptr, i, eps, D: gl.constexp
     H: gl.constexpr = q0.shape[0]
     W: gl.constexpr = q0.shape[1]
     ss = gl.sum(_squares(q0), axis=1) + gl.sum(_squares(q1), axis=1)
-    raw = q_s._reinterpret(gl.bfloat16, [H, D], q_s.layout)
+    QL: gl.constexpr = q_s.layout
+    raw = dw._view(q_s, gl.bfloat16, [H, D], QL)
     raw.slice(0, W, dim=1).store(q0)
     raw.slice(W, W, dim=1).store(q1)
     inv_s.store(1.0 / gl.sqrt(ss / D + eps))
