@@ -67,7 +67,7 @@ from dsv4.kernels.triton.decode_common import pdl_launch
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# a shared buffer's bytes under another type and shape: `_reinterpret` in Triton 3.6, `reinterpret` from 3.9
+# a shared buffer's bytes under another type and shape: `_reinterpret` in Triton 3.6, `reinterpret` in 3.9
 _REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 #: Gluon's API as written here: Triton 3.6 (measured) to 3.9 (compiled); earlier ones differ
 GLUON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)

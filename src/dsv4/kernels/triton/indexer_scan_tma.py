@@ -106,7 +106,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from dsv4.kernels.triton.decode_attention_wide import GLUON_OK, _barrier, _view
 from dsv4.kernels.triton.decode_common import pdl, pdl_enter
 
-# a TMA copy into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` from 3.7
+# a TMA copy into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: keys a tile = indexer keys a page (the default 256 tokens a block, m = 4)
 EPB = 64
