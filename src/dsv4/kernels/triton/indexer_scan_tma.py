@@ -271,10 +271,13 @@ def _load(raw, s, spread_s, it, INT8: gl.constexpr):
     it % 2 is next written two tiles on, after the next tile's barrier, so no warp reads it late."""
     W5: gl.constexpr = gl.SliceLayout(4, _keys())                                # [w, h, g, i, t]
     R3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, W5))                  # [w, h, g]
-    # word 4 t + i of row (w, h, g): i runs fastest in memory (the page's first 1,024 words)
-    page_d = _view(raw.index(s), gl.int32, [4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
-    srow_s = _view(raw.index(s), gl.int32, [_PAGE_ROWS, _EPB], _flat(2)).slice(16, 1)           # [1, 64]
-    page_s = _view(srow_s, gl.int32, [4, 2, 8], _flat(3))
+    # word 4 t + i of row (w, h, g): i runs fastest in memory (the page's first 1,024 words). The views
+    # are of the whole allocation, then indexed: from Triton 3.8 a view must keep its source's size and
+    # may not be of a subview
+    NS: gl.constexpr = raw.shape[0]
+    halves = _view(raw, gl.int32, [2 * NS, 4, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, [3, 4, 2, 1, 0]))
+    page_d = halves.index(2 * s)                                                 # [4, 2, 8, 4, 4]
+    page_s = _view(raw, gl.int32, [_PAGE_ROWS * NS, 4, 2, 8], _flat(3)).index(_PAGE_ROWS * s + 16)  # row 16
     words = page_d.load(W5)                                                      # [4, 2, 8, 4, 4]
     srow = page_s.load(R3)                                                       # [4, 2, 8] scale words
     if INT8:
