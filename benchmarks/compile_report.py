@@ -471,6 +471,16 @@ def main() -> int:
             report("scan_tma group maxima int8=False", ts, "_scan_tma_kernel", lambda: tma(gmax=gmax, int8=False))
             for nreg in (128, 96):
                 report(f"scan_tma maxnreg={nreg}", ts, "_scan_tma_kernel", lambda nreg=nreg: tma(maxnreg=nreg))
+        # a prefill chunk's scan (16 tokens, 4 a group, 2 programs a group), as `indexer_prefill.grouped_scores`
+        # launches it on sm_90, its queries' kernel chained (PDL)
+        from dsv4.kernels.triton import indexer_prefill as ip
+        typed = ifmt.typed(pool.indexer)
+        with captured(ts, "_q8_kernel"), _patched(ts, "pdl", lambda dev: True):
+            report("scan_tma prefill tokens=4", ts, "_prefill_scan_tma_kernel", lambda: ts.launch_prefill(
+                torch.randn(16, 64, 128).bfloat16(), torch.randn(16, 64), torch.empty(16, 512), typed["data"],
+                typed["scale"], b.block_table[:1], torch.full((16,), 508, dtype=torch.int32),
+                ip.token_groups((16,), 0, 16, ip.TOKENS, "cpu"), 512, 1.0, tokens=ip.TOKENS,
+                programs=ip.TMA_PROGRAMS))
     if "attention" in which or "wide" in which or "prefill_wide" in which:
         for kind in ("csa", "hca"):
             aargs = _attention_args(mgr, b, kind)

@@ -21,7 +21,8 @@ from dsv4.kernels.triton import decode_attention_wide as dw
 LABELS = ["attention wide csa", "attention wide hca",
           *(f"prefill wide {k}{v}" for k in ("csa", "hca") for v in ("", " rope bf16-out", " q_norm rope bf16-out")),
           "scan_tma queries (int8)", "scan_tma redo (bf16 MMA) group maxima", "scan_tma stages=2",
-          "scan_tma stages=4", "scan_tma int8=False", "scan_tma group maxima", "scan_tma group maxima int8=False"]
+          "scan_tma stages=4", "scan_tma int8=False", "scan_tma group maxima", "scan_tma group maxima int8=False",
+          "scan_tma prefill tokens=4"]
 
 
 @pytest.mark.skipif(not dw.GLUON_OK, reason=f"Gluon as written needs Triton 3.6 or later (have {triton.__version__})")
