@@ -36,31 +36,18 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-paths=("/tmp/site")
-names=("$(python3 -c 'import triton; print(triton.__version__)') (the machine's)")
+# a tree for ab_run.sh per carried release: its src/ holds that Triton beside a link to this src/dsv4
+trees="."
 for a in .tri/triton-*-slim.tar.xz; do
   [ -e "$a" ] || continue
-  d="/tmp/tri/$(basename "$a" .tar.xz)"
-  mkdir -p "$d" && tar -xJf "$a" -C "$d" || exit 1
-  paths+=("$d:/tmp/site")
-  names+=("$(PYTHONPATH=$d python3 -c 'import triton; print(triton.__version__)')")
-done
-ARGS=${TRI_ARGS:-"--contexts 131072 --batches 1,64 --prefill 0"}
-GREP=${TRI_GREP:-"^(decode|prefill) .*triton"}
-for i in "${!paths[@]}"; do
-  if [ "$i" -gt 0 ] && [ -n "${TRI_TESTS:-}" ]; then
-    echo "=== tests, Triton ${names[$i]}"
-    PYTHONPATH="src:${paths[$i]}" timeout "${TRI_TEST_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
+  t="/tmp/tri/$(basename "$a" .tar.xz)"
+  mkdir -p "$t/src" && tar -xJf "$a" -C "$t/src" && ln -sfn "$PWD/src/dsv4" "$t/src/dsv4" || exit 1
+  trees="$trees $t"
+  if [ -n "${TRI_TESTS:-}" ]; then
+    echo "=== tests, $(PYTHONPATH=$t/src python3 -c 'import triton; print("Triton", triton.__version__)')"
+    PYTHONPATH="$t/src:/tmp/site" timeout "${TRI_TEST_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
       $TRI_TESTS 2>&1 | tail -n 5
   fi
 done
-for r in $(seq "${TRI_ROUNDS:-2}"); do
-  for i in "${!paths[@]}"; do
-    echo "=== round $r: Triton ${names[$i]}"
-    PYTHONPATH="src:${paths[$i]}" timeout "${TRI_TIMEOUT:-300}" python3 -c \
-      "import sys, dsv4.bench as b; sys.exit(b.main(sys.argv[1:]))" $ARGS --no-reference --no-hf \
-      --warmup-ms 10 --rep-ms 50 2>&1 | grep -E "$GREP"
-  done
-done
+AB_TREES="$trees" AB_ROUNDS="${TRI_ROUNDS:-2}" AB_ARGS="${TRI_ARGS:-"--contexts 131072 --batches 1,64 --prefill 0"}" \
+  AB_GREP="${TRI_GREP:-"^(decode|prefill) .*triton"}" AB_TIMEOUT="${TRI_TIMEOUT:-300}" exec bash benchmarks/ab_run.sh
