@@ -57,7 +57,7 @@ def test_triton_kernels_compile_for_sm90():
     launched = launched_kernels()
     missing, stale = sorted(launched - rows.keys()), sorted(rows.keys() - launched)
     assert not missing, f"kernels launched in src/dsv4/kernels/triton without an `each` row in " \
-                        f"benchmarks/compile_report.py (add one, as the GPU path launches it): {missing}"
+                        f"benchmarks/compile_each.py (add one, as the GPU path launches it): {missing}"
     assert not stale, f"`each` rows of kernels the package no longer launches: {stale}"
     failed = {f"{k} {variant}": info for k, variants in rows.items() for variant, info in variants
               if not info.startswith("{")}
