@@ -36,6 +36,8 @@ one launch. A program never straddles a group or a scale row: BLOCK_N divides 12
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -419,11 +421,24 @@ def _gemm_tiles(t: int, x_bytes: int = 2) -> tuple[int, int, int, int]:
     return bm, 64, 8 if bm > 128 else 4, max(1, min(3, _SMEM_BUDGET // stage))
 
 
+#: Triton 3.7 or later: the one-row GEMV's tiles differ (`_gemv_tiles`)
+_TRITON_3_7 = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 7)
+
+
 def _gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages), BLOCK_K a multiple of 128: 16 rows x 512 codes where that
     still gives ~4 programs per SM (the q up-projection, the grouped o_a), else 4 x 2048 (q_a + kv,
     W_ob). H100, batch 1, µs (`benchmarks/tune_fp8.py`; plain read of the codes 15.0-15.2): o_a 16.6
-    at 16 x 512 against 17.8 at 4 x 2048; W_ob 16.9 against 20.2; q_a + kv 6.9 against 10.6."""
+    at 16 x 512 against 17.8 at 4 x 2048; W_ob 16.9 against 20.2; q_a + kv 6.9 against 10.6.
+
+    Triton 3.7 compiles those tiles slower (H100, one round, 3.6 -> 3.7.1 at the 3.6 tiles: CSA q_b
+    18.8 -> 21.7, HCA q_b 16.0 -> 18.4, o_a 16.2 -> 21.4, W_ob 16.8 -> 19.8; q_a + kv 7.3 -> 7.5); its
+    best there: 16 x 256 for K 1,024 (19.9, 16.7) and 8 x 1024 over 3 stages for the wide ones (o_a
+    17.0, W_ob 16.9). Benchmarks/NOTES.md, sixty-fifth round."""
+    if _TRITON_3_7:
+        if k <= 1024:
+            return 16, 256, 4, 4
+        return (8, 1024, 4, 3) if n >= 4096 else (4, 2048, 4, 3)
     if k <= 1024 or n >= 8192:
         return 16, 512, 4, 4
     return 4, 2048, 4, 3
