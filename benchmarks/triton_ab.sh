@@ -11,6 +11,8 @@
 # (.tri/ is git-ignored through .git/info/exclude; carry it to the GPU machine). Then, there:
 #   TRI_ROUNDS=2 TRI_ARGS="--contexts 131072 --batches 1,64 --prefill 32768" bash benchmarks/triton_ab.sh
 # TRI_TESTS="tests/test_triton_decode.py ..." also runs those tests under each other release.
+# TRI_BASE=ab_main (a tree holding a src/, e.g. `git archive main src | tar -x -C ab_main`): its dsv4 runs
+# beside this one's under every release, so a change is timed against its base under each.
 set -uo pipefail
 
 if [ "${1:-}" = "pack" ]; then        # pack VERSION [PYTHON]: download, slim and compress a wheel
@@ -37,11 +39,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 # a tree for ab_run.sh per carried release: its src/ holds that Triton beside a link to this src/dsv4
-trees="."
+trees="${TRI_BASE:+$TRI_BASE }."
 for a in .tri/triton-*-slim.tar.xz; do
   [ -e "$a" ] || continue
   t="/tmp/tri/$(basename "$a" .tar.xz)"
   mkdir -p "$t/src" && tar -xJf "$a" -C "$t/src" && ln -sfn "$PWD/src/dsv4" "$t/src/dsv4" || exit 1
+  if [ -n "${TRI_BASE:-}" ]; then      # the base's dsv4 beside the same Triton
+    mkdir -p "$t-base/src" && ln -sfn "$t/src/triton" "$t-base/src/triton" \
+      && ln -sfn "$(cd "$TRI_BASE" && pwd)/src/dsv4" "$t-base/src/dsv4" || exit 1
+    trees="$trees $t-base"
+  fi
   trees="$trees $t"
   if [ -n "${TRI_TESTS:-}" ]; then
     echo "=== tests, $(PYTHONPATH=$t/src python3 -c 'import triton; print("Triton", triton.__version__)')"

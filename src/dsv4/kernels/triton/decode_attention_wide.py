@@ -49,7 +49,6 @@ its combine, `benchmarks/wide_phases.py`), one-program / warp-specialised µs: 1
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -60,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.kernels.triton.decode_common import pdl_launch
+from dsv4.kernels.triton.decode_common import TRITON_VERSION, pdl_launch
 
 # the CTA-wide barrier (a partition's own named barrier inside `warp_specialize`): `thread_barrier`
 # in Triton 3.6, `barrier` from 3.7
@@ -70,7 +69,7 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 # a shared buffer's bytes under another type and shape: `_reinterpret` in Triton 3.6, `reinterpret` in 3.9
 _REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 #: Gluon's API as written here: Triton 3.6 (measured) to 3.9 (compiled); earlier ones differ
-GLUON_OK = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
+GLUON_OK = TRITON_VERSION >= (3, 6)
 
 
 @gluon.jit

@@ -36,8 +36,6 @@ one launch. A program never straddles a group or a scale row: BLOCK_N divides 12
 
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 import triton.language as tl
@@ -45,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4.errors import InputError
 from dsv4.kernels.triton import gemv
-from dsv4.kernels.triton.decode_common import pdl_enter, pdl_launch, sm_count
+from dsv4.kernels.triton.decode_common import TRITON_VERSION, pdl_enter, pdl_launch, sm_count
 from dsv4.kernels.triton.gemv import _norm_args, gemv_rows, rms_apply, rms_rows, rms_scale
 from dsv4.model.fp8_weights import BLOCK, scale_shape
 
@@ -422,7 +420,7 @@ def _gemm_tiles(t: int, x_bytes: int = 2) -> tuple[int, int, int, int]:
 
 
 #: Triton 3.7 or later: the one-row GEMV's tiles differ (`_gemv_tiles`)
-_TRITON_3_7 = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 7)
+_TRITON_3_7 = TRITON_VERSION >= (3, 7)
 
 
 def _gemv_tiles(n: int, k: int) -> tuple[int, int, int, int]:

@@ -41,6 +41,7 @@ from dsv4.kernels.triton.decode_common import (
     dequant_entry_tile,
     inverse_rope,
     load_entry_tile,
+    load_row_chunks,
     locate,
     note_compile,
     pdl_enter,
@@ -65,12 +66,9 @@ def window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_o
     maybe_old = inside & (p < p0) & (orow >= 0)
     opos = tl.load(oldpos_ptr + b * s_opb + orow, mask=maybe_old, other=-1)
     old = maybe_old & (opos == p)
-    d = (c0 + tl.arange(0, NC)[None, :, None]) * 64 + tl.arange(0, 64)[None, None, :]
-    d = tl.max_contiguous(d, [1, 1, 8])
     # one row pointer per key, from either source: one load per element
     rp = tl.where(new, new_ptr + (i - t + p).to(tl.int64) * s_nt, old_ptr + b * s_ob + orow.to(tl.int64) * s_or)
-    k = tl.load(rp[:, None, None] + d, mask=(new | old)[:, None, None] & (d < D), other=0.0)
-    return tl.reshape(k, [BLOCK_N, NC * 64]), new | old
+    return tl.reshape(load_row_chunks(rp, new | old, c0, D, NC), [BLOCK_N, NC * 64]), new | old
 
 
 @triton.jit
