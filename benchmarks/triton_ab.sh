@@ -10,7 +10,7 @@
 #   bash benchmarks/triton_ab.sh pack 3.7.1 [3.12]     # -> .tri/triton-3.7.1-cp312-slim.tar.xz (~45 MB)
 # (.tri/ is git-ignored through .git/info/exclude; carry it to the GPU machine). Then, there:
 #   TRI_ROUNDS=2 TRI_ARGS="--contexts 131072 --batches 1,64 --prefill 32768" bash benchmarks/triton_ab.sh
-# TRI_TESTS="tests/test_triton_decode.py ..." also runs those tests under each other release.
+# TRI_TESTS="tests/test_triton_decode.py ..." also runs those tests under each other release (TRI_K: pytest's -k).
 # TRI_BASE=ab_main (a tree holding a src/, e.g. `git archive main src | tar -x -C ab_main`): its dsv4 runs
 # beside this one's under every release, so a change is timed against its base under each.
 set -uo pipefail
@@ -53,7 +53,7 @@ for a in .tri/triton-*-slim.tar.xz; do
   if [ -n "${TRI_TESTS:-}" ]; then
     echo "=== tests, $(PYTHONPATH=$t/src python3 -c 'import triton; print("Triton", triton.__version__)')"
     PYTHONPATH="$t/src:/tmp/site" timeout "${TRI_TEST_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
-      $TRI_TESTS 2>&1 | tail -n 5
+      ${TRI_K:+-k "$TRI_K"} $TRI_TESTS 2>&1 | tail -n 5
   fi
 done
 AB_TREES="$trees" AB_ROUNDS="${TRI_ROUNDS:-2}" AB_ARGS="${TRI_ARGS:-"--contexts 131072 --batches 1,64 --prefill 0"}" \
