@@ -32,6 +32,25 @@ import triton.language as tl
 
 from dsv4.errors import InputError
 from dsv4.kernels.compress_plan import CompressPlan, make_plan
+from dsv4.kernels.triton.decode_common import CHUNK_MAJOR
+
+
+@triton.jit
+def _on_axis(v, AXIS: tl.constexpr):
+    """A vector on axis AXIS (0 or 1) of a 3-D slab whose last axis is the channels."""
+    if AXIS == 0:
+        return v[:, None, None]
+    else:
+        return v[None, :, None]
+
+
+@triton.jit
+def _groups(x, GA: tl.constexpr):
+    """A [LANES, BLOCK_D] tile broadcast along the group axis GA of the slab."""
+    if GA == 0:
+        return x[None, :, :]
+    else:
+        return x[:, None, :]
 
 
 # a one-request chunk's ints vary from chunk to chunk: no specialisation on them (one compile, not dozens)
@@ -95,27 +114,32 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
     # segments `local` < NPEND start from the stored pending entry `local` (group 0), the others empty
     stored = sd & (local < NPEND)[:, None]
     base = state_ptr + slot[:, None] * stride_sr + local[:, None] * stride_sp + offs[None, :]
-    g = tl.arange(0, SPLIT)[:, None, None]
-    m = tl.where(g == 0, tl.load(base, mask=stored, other=float("-inf"))[None, :, :], float("-inf"))
-    s = tl.where(g == 0, tl.load(base + stride_sk, mask=stored, other=0.0)[None, :, :], 0.0)
-    a = tl.where(g == 0, tl.load(base + 2 * stride_sk, mask=stored, other=0.0)[None, :, :], 0.0)
+    # the slab's group axis GA: 0 ([SPLIT, LANES, BLOCK_D]) on Triton 3.6, 1 ([LANES, SPLIT, BLOCK_D])
+    # on 3.7+, whose coalescing orders a tie of equally contiguous axes the other way: either way the
+    # threads of a warp spread over the groups after the channels (`decode_common.CHUNK_MAJOR`)
+    GA: tl.constexpr = 1 if CHUNK_MAJOR else 0
+    la: tl.constexpr = 1 - GA                                              # the lanes' axis
+    g = _on_axis(tl.arange(0, SPLIT), GA)
+    m = tl.where(g == 0, _groups(tl.load(base, mask=stored, other=float("-inf")), GA), float("-inf"))
+    s = tl.where(g == 0, _groups(tl.load(base + stride_sk, mask=stored, other=0.0), GA), 0.0)
+    a = tl.where(g == 0, _groups(tl.load(base + 2 * stride_sk, mask=stored, other=0.0), GA), 0.0)
     # slot j: OVERLAP -> j < m: [:D] of token (w-1)*m + j, j >= m: [D:] of token w*m + j - m
     #         else    -> token w*m + j
     NS: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     GS: tl.constexpr = NS // SPLIT
     if OVERLAP:
-        pos0 = ((w - 1) * RATIO)[None, :, None]
+        pos0 = _on_axis((w - 1) * RATIO, la)
     else:
-        pos0 = (w * RATIO)[None, :, None]
-    live3, p0_3, p1_3, tok0_3 = live[None, :, None], p0[None, :, None], p1[None, :, None], tok0[None, :, None]
+        pos0 = _on_axis(w * RATIO, la)
+    live3, p0_3, p1_3, tok0_3 = _on_axis(live, la), _on_axis(p0, la), _on_axis(p1, la), _on_axis(tok0, la)
     dmask3 = dmask[None, None, :]
     for j0 in tl.static_range(0, GS, BLOCK_S):
-        # BLOCK_S slots of every group, each one [SPLIT, LANES, BLOCK_D] slab: the running (m, s, a)
+        # BLOCK_S slots of every group, each one [SPLIT, LANES, BLOCK_D] slab (GA): the running (m, s, a)
         # of a group stay in its threads (elementwise max / exp / sums, no reduction across threads)
         zs = ()
         cs = ()
         for jj in tl.static_range(BLOCK_S):
-            j = g * GS + (j0 + jj)                                              # [SPLIT, 1, 1]
+            j = g * GS + (j0 + jj)                                              # [SPLIT, 1, 1] (GA)
             pos = pos0 + j
             msk = live3 & (pos >= p0_3) & (pos < p1_3) & dmask3
             t = tok0_3 + pos - p0_3
@@ -145,15 +169,15 @@ def _compress_kernel(c_ptr, z_ptr, zb_ptr, state_ptr, out_ptr, ereq_ptr, eidx_pt
             a += cs[jj] * e
         m = m2
     if SPLIT == 1:      # one group: the merge is the identity
-        m = tl.max(m, axis=0)
-        s = tl.sum(s, axis=0)
-        a = tl.sum(a, axis=0)
+        m = tl.max(m, axis=GA)
+        s = tl.sum(s, axis=GA)
+        a = tl.sum(a, axis=GA)
     else:
-        mf = tl.max(m, axis=0)
-        wg = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(mf == float("-inf"), 0.0, mf)[None, :, :]))
+        mf = tl.max(m, axis=GA)
+        wg = tl.where(m == float("-inf"), 0.0, tl.exp(m - _groups(tl.where(mf == float("-inf"), 0.0, mf), GA)))
         m = mf
-        s = tl.sum(s * wg, axis=0)
-        a = tl.sum(a * wg, axis=0)
+        s = tl.sum(s * wg, axis=GA)
+        a = tl.sum(a * wg, axis=GA)
     # finished: entry row fin_base + local, in (request, w) order
     fin = live & (w < end)
     dst = (fin_base + local).to(tl.int64)
