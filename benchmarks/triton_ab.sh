@@ -45,8 +45,8 @@ for a in .tri/triton-*-slim.tar.xz; do
   t="/tmp/tri/$(basename "$a" .tar.xz)"
   mkdir -p "$t/src" && tar -xJf "$a" -C "$t/src" && ln -sfn "$PWD/src/dsv4" "$t/src/dsv4" || exit 1
   if [ -n "${TRI_BASE:-}" ]; then      # the base's dsv4 beside the same Triton
-    mkdir -p "$t-base/src" && ln -sfn "$t/src/triton" "$t-base/src/triton" \
-      && ln -sfn "$(cd "$TRI_BASE" && pwd)/src/dsv4" "$t-base/src/dsv4" || exit 1
+    mkdir -p "$t-base/src" && ln -sfn "$(cd "$TRI_BASE" && pwd)/src/dsv4" "$t-base/src/dsv4" || exit 1
+    for f in "$t"/src/triton*; do ln -sfn "$f" "$t-base/src/$(basename "$f")"; done   # the package and its dist-info
     trees="$trees $t-base"
   fi
   trees="$trees $t"
