@@ -1,11 +1,12 @@
-"""The attention kernels' key-tile loader (`decode_common.load_entry_tile`, `load_row_chunks`) in both
-of its load orders, against the stored bytes decoded in torch.
+"""The attention kernels' key-tile loader (`decode_common.load_entry_tile`) in both of its load orders,
+against the stored bytes decoded in torch.
 
 The loader builds its tile rows-major ([rows, chunk, 64]) on Triton 3.6 and chunk-major then permuted
 on 3.7+ (`CHUNK_MAJOR`: the releases order a tie between equally contiguous dims differently, and the
 other order made the compiler convert every key tile). Both orders must give the same keys bit for
 bit; the interpreter runs either one whatever the installed release (`CHUNK_MAJOR` patched), a GPU
-run checks the order its release compiles.
+run checks the order its release compiles. The prefill window's row loader (`window_rows`), which follows
+the same order, is checked through the prefill attention tests.
 """
 
 from __future__ import annotations
@@ -34,20 +35,13 @@ def _tile_kernel(kv_ptr, rope_ptr, sc_ptr, page_ptr, row_ptr, ok_ptr, out_ptr, c
     tl.store(out_ptr + n[:, None] * (NC * 64) + tl.arange(0, NC * 64)[None, :], k)
 
 
-@triton.jit
-def _rows_kernel(kv_ptr, row_ptr, ok_ptr, out_ptr, c0, s_r, D: tl.constexpr, NC: tl.constexpr, N: tl.constexpr):
-    n = tl.arange(0, N)
-    rp = kv_ptr + tl.load(row_ptr + n).to(tl.int64) * s_r
-    k = dc.load_row_chunks(rp, tl.load(ok_ptr + n) != 0, c0, D, NC)
-    tl.store(out_ptr + n[:, None] * (NC * 64) + tl.arange(0, NC * 64)[None, :], tl.reshape(k, [N, NC * 64]).to(tl.float32))
-
-
 def _orders(monkeypatch, chunk_major: bool) -> None:
     """Use the order under test: any in the interpreter, only the release's own on a GPU (a compiled
     kernel keeps the order it was built with)."""
     if DEVICE == "cuda":
         if chunk_major != bool(dc.CHUNK_MAJOR):
-            pytest.skip(f"on a GPU only Triton {triton.__version__}'s order (chunk-major {bool(dc.CHUNK_MAJOR)}) compiles")
+            pytest.skip(f"on a GPU only Triton {triton.__version__}'s own order compiles "
+                        f"(chunk-major {bool(dc.CHUNK_MAJOR)})")
         return
     monkeypatch.setattr(dc, "CHUNK_MAJOR", tl.constexpr(chunk_major))
 
@@ -83,9 +77,8 @@ def test_fp8_ds_tile_decodes_the_stored_bytes(chunk_major, c0, nc, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_major", [False, True])
-def test_bf16_tile_and_row_chunks(chunk_major, monkeypatch):
-    """bf16 entries (no scales, no separate rope) and the prefill window's row loader: the stored
-    values, 0 on masked rows and past D."""
+def test_bf16_tile(chunk_major, monkeypatch):
+    """bf16 entries (no scales, no separate rope): the stored values, 0 on masked rows and past D."""
     _orders(monkeypatch, chunk_major)
     gen = torch.Generator().manual_seed(7 + chunk_major)
     pages, per_page, n, d, nc = 4, 8, 16, 448, 8
@@ -99,8 +92,3 @@ def test_bf16_tile_and_row_chunks(chunk_major, monkeypatch):
                        FMT=1, D=d, NOPE=d, NC=nc, N=n)
     assert torch.equal(out.cpu(), want)
 
-    flat = kv_d.view(pages * per_page, d)
-    rows = page_d * per_page + row_d
-    out = torch.full((n, 4 * 64), float("nan"), device=DEVICE)
-    _rows_kernel[(1,)](flat, rows, ok_d, out, 4, flat.stride(0), D=d, NC=4, N=n)
-    assert torch.equal(out.cpu(), want[:, 256:512])

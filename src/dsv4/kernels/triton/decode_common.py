@@ -187,62 +187,30 @@ def load_entry_tile(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_r
     the compiler converts x to the layout of the rope / scale loads through shared memory (H200,
     two-pass attention pass 1: 1,080 -> 870 SASS instructions and 15 -> 10 barriers per key tile,
     255 -> 201 registers)."""
-    if CHUNK_MAJOR:     # loaded as [chunk, rows, 64], then permuted: the same registers per thread
-        x, sb, rope = _entry_bytes(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                                   FMT, D, NOPE, NC, True)
-        return tl.permute(x, (1, 0, 2)), tl.permute(sb, (1, 0, 2)), tl.permute(rope, (1, 0, 2))
-    return _entry_bytes(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                        FMT, D, NOPE, NC, False)
-
-
-@triton.jit
-def load_row_chunks(rp, ok, c0, D: tl.constexpr, NC: tl.constexpr):
-    """Channels [c0 * 64, (c0 + NC) * 64) of the rows at pointers rp [N] (0 where not ok or past D) as
-    [N, NC, 64], in 8-element vectors: the layout `load_entry_tile` gives, so the two tiles meet
-    without a conversion (a prefill key tile of window rows and pool entries)."""
-    c = _chunks(c0, NC, CHUNK_MAJOR)
-    d = tl.max_contiguous(c * 64 + tl.arange(0, 64)[None, None, :], [1, 1, 8])
-    k = tl.load(_on_rows(rp, CHUNK_MAJOR) + d, mask=_on_rows(ok, CHUNK_MAJOR) & (d < D), other=0.0)
+    # CHUNK_MAJOR: loaded as [chunk, rows, 64] (rope [1, rows, 64], scale bytes [chunk, rows, 1]), then
+    # permuted: on 3.7+'s tie-break that is 3.6's layout, the same registers per thread
     if CHUNK_MAJOR:
-        k = tl.permute(k, (1, 0, 2))
-    return k
-
-
-@triton.jit
-def _chunks(c0, NC: tl.constexpr, CM: tl.constexpr):
-    """Chunk indices c0 ... c0 + NC - 1 on the chunk axis of a 3-D tile: axis 0 chunk-major (CM), else 1."""
-    if CM:
-        return c0 + tl.arange(0, NC)[:, None, None]
+        c = c0 + tl.arange(0, NC)[:, None, None]
+        d = c * 64 + tl.arange(0, 64)[None, None, :]
+        p3 = page[None, :, None]
+        r3 = row[None, :, None]
+        v3 = ok[None, :, None]
     else:
-        return c0 + tl.arange(0, NC)[None, :, None]
-
-
-@triton.jit
-def _on_rows(v, CM: tl.constexpr):
-    """A row vector [N] on the rows axis of a 3-D tile: axis 1 chunk-major (CM), else axis 0."""
-    if CM:
-        return v[None, :, None]
-    else:
-        return v[:, None, None]
-
-
-@triton.jit
-def _entry_bytes(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, s_rr, s_sp, s_sr,
-                 FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr, CM: tl.constexpr):
-    """`load_entry_tile`'s loads as [rows, chunk, 64] tiles, or chunk-major [chunk, rows, 64] (CM; the rope
-    [1, rows, 64], the scale bytes [chunk, rows, 1])."""
-    c = _chunks(c0, NC, CM)
-    d = c * 64 + tl.arange(0, 64)[None, None, :]
-    p3 = _on_rows(page, CM)
-    r3 = _on_rows(row, CM)
-    v3 = _on_rows(ok, CM)
+        c = c0 + tl.arange(0, NC)[None, :, None]
+        d = c * 64 + tl.arange(0, 64)[None, None, :]
+        p3 = page[:, None, None]
+        r3 = row[:, None, None]
+        v3 = ok[:, None, None]
     if FMT == FP8_DS_ID:
         # 8-element (not 16-byte) vectors: the layout of the bf16 rope load below, which x joins
         dx = tl.max_contiguous(d, [1, 1, 8])
         x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + dx, mask=v3 & (d < NOPE), other=0.0)
         if NOPE // 64 <= 8:     # the scale bytes as one word per key (the wrapper checks the alignment)
             sw = tl.load((sc_ptr + page * s_sp + row * s_sr).to(tl.pointer_type(tl.uint64)), mask=ok, other=0)
-            sb = ((_on_rows(sw, CM) >> (8 * c).to(tl.uint64)) & 0xFF).to(tl.uint8)
+            if CHUNK_MAJOR:
+                sb = ((sw[None, :, None] >> (8 * c).to(tl.uint64)) & 0xFF).to(tl.uint8)
+            else:
+                sb = ((sw[:, None, None] >> (8 * c).to(tl.uint64)) & 0xFF).to(tl.uint8)
         else:
             sb = tl.load(sc_ptr + p3 * s_sp + r3 * s_sr + c, mask=v3 & (c < NOPE // 64), other=0)
         j = tl.arange(0, 64)[None, None, :]
@@ -253,6 +221,8 @@ def _entry_bytes(kv_ptr, rope_ptr, sc_ptr, page, row, ok, c0, s_kp, s_kr, s_rp, 
         x = tl.load(kv_ptr + p3 * s_kp + r3 * s_kr + d, mask=v3 & (d < D), other=0.0)
         sb = tl.zeros_like(p3).to(tl.uint8)
         rope = sb
+    if CHUNK_MAJOR:
+        x, sb, rope = tl.permute(x, (1, 0, 2)), tl.permute(sb, (1, 0, 2)), tl.permute(rope, (1, 0, 2))
     return x, sb, rope
 
 

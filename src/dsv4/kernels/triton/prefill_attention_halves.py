@@ -38,10 +38,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsv4.kernels.triton.decode_attention import with_sink
 from dsv4.kernels.triton.decode_attention_halves import value_half_step
 from dsv4.kernels.triton.decode_common import (
+    CHUNK_MAJOR,
     dequant_entry_tile,
     inverse_rope,
     load_entry_tile,
-    load_row_chunks,
     locate,
     note_compile,
     pdl_enter,
@@ -66,9 +66,18 @@ def window_rows(old_ptr, oldpos_ptr, new_ptr, b, i, t, p0, r0, window, ring, s_o
     maybe_old = inside & (p < p0) & (orow >= 0)
     opos = tl.load(oldpos_ptr + b * s_opb + orow, mask=maybe_old, other=-1)
     old = maybe_old & (opos == p)
+    if CHUNK_MAJOR:     # as `load_entry_tile`: [chunk, rows, 64], then permuted
+        d = (c0 + tl.arange(0, NC)[:, None, None]) * 64 + tl.arange(0, 64)[None, None, :]
+    else:
+        d = (c0 + tl.arange(0, NC)[None, :, None]) * 64 + tl.arange(0, 64)[None, None, :]
+    d = tl.max_contiguous(d, [1, 1, 8])
     # one row pointer per key, from either source: one load per element
     rp = tl.where(new, new_ptr + (i - t + p).to(tl.int64) * s_nt, old_ptr + b * s_ob + orow.to(tl.int64) * s_or)
-    return tl.reshape(load_row_chunks(rp, new | old, c0, D, NC), [BLOCK_N, NC * 64]), new | old
+    if CHUNK_MAJOR:
+        k = tl.permute(tl.load(rp[None, :, None] + d, mask=(new | old)[None, :, None] & (d < D), other=0.0), (1, 0, 2))
+    else:
+        k = tl.load(rp[:, None, None] + d, mask=(new | old)[:, None, None] & (d < D), other=0.0)
+    return tl.reshape(k, [BLOCK_N, NC * 64]), new | old
 
 
 @triton.jit
