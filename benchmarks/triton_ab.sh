@@ -11,8 +11,9 @@
 # (.tri/ is git-ignored through .git/info/exclude; carry it to the GPU machine). Then, there:
 #   TRI_ROUNDS=2 TRI_ARGS="--contexts 131072 --batches 1,64 --prefill 32768" bash benchmarks/triton_ab.sh
 # TRI_TESTS="tests/test_triton_decode.py ..." also runs those tests under each other release (TRI_K: pytest's -k).
-# TRI_BASE=ab_main (a tree holding a src/, e.g. `git archive main src | tar -x -C ab_main`): its dsv4 runs
-# beside this one's under every release, so a change is timed against its base under each.
+# TRI_BASE="ab_main [ab_other ...]" (trees holding a src/, e.g. `git archive main src | tar -x -C ab_main`): their
+# dsv4 runs beside this one's under every release (tree $t-<name>), so a change is timed against its base under
+# each; TRI_TEST_TREES="base names" also runs TRI_TESTS with those trees' dsv4 (e.g. a branch not yet on main).
 set -uo pipefail
 
 if [ "${1:-}" = "pack" ]; then        # pack VERSION [PYTHON]: download, slim and compress a wheel
@@ -44,16 +45,19 @@ for a in .tri/triton-*-slim.tar.xz; do
   [ -e "$a" ] || continue
   t="/tmp/tri/$(basename "$a" .tar.xz)"
   mkdir -p "$t/src" && tar -xJf "$a" -C "$t/src" && ln -sfn "$PWD/src/dsv4" "$t/src/dsv4" || exit 1
-  if [ -n "${TRI_BASE:-}" ]; then      # the base's dsv4 beside the same Triton
-    mkdir -p "$t-base/src" && ln -sfn "$(cd "$TRI_BASE" && pwd)/src/dsv4" "$t-base/src/dsv4" || exit 1
-    for f in "$t"/src/triton*; do ln -sfn "$f" "$t-base/src/$(basename "$f")"; done   # the package and its dist-info
-    trees="$trees $t-base"
-  fi
+  for b in ${TRI_BASE:-}; do           # each base's dsv4 beside the same Triton
+    tb="$t-$(basename "$b")"
+    mkdir -p "$tb/src" && ln -sfn "$(cd "$b" && pwd)/src/dsv4" "$tb/src/dsv4" || exit 1
+    for f in "$t"/src/triton*; do ln -sfn "$f" "$tb/src/$(basename "$f")"; done   # the package and its dist-info
+    trees="$trees $tb"
+  done
   trees="$trees $t"
   if [ -n "${TRI_TESTS:-}" ]; then
-    echo "=== tests, $(PYTHONPATH=$t/src python3 -c 'import triton; print("Triton", triton.__version__)')"
-    PYTHONPATH="$t/src:/tmp/site" timeout "${TRI_TEST_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
-      ${TRI_K:+-k "$TRI_K"} $TRI_TESTS 2>&1 | tail -n 5
+    for tt in "$t" ${TRI_TEST_TREES:+$(for n in $TRI_TEST_TREES; do echo "$t-$n"; done)}; do
+      echo "=== tests, $tt: $(PYTHONPATH=$t/src python3 -c 'import triton; print("Triton", triton.__version__)')"
+      PYTHONPATH="$tt/src:/tmp/site" timeout "${TRI_TEST_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
+        ${TRI_K:+-k "$TRI_K"} $TRI_TESTS 2>&1 | tail -n 5
+    done
   fi
 done
 AB_TREES="$trees" AB_ROUNDS="${TRI_ROUNDS:-2}" AB_ARGS="${TRI_ARGS:-"--contexts 131072 --batches 1,64 --prefill 0"}" \
